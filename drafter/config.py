@@ -299,17 +299,10 @@ class LifecycleConfig(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "LifecycleConfig":
-        shape = self.target.resolved_shape()
-        layers, vocab = shape["num_hidden_layers"], shape["vocab_size"]
-        if self.dump.aux_layer_ids is not None and layers is not None:
-            bad = [i for i in self.dump.aux_layer_ids if not 0 <= i < layers]
-            if bad:
-                raise ValueError(
-                    f"dump.aux_layer_ids: {bad} out of range for a target with {layers} layers "
-                    f"(ids are 0-based outputs of layers 0..{layers - 1})")
-        if vocab is not None and self.train.draft_vocab_size > vocab:
-            raise ValueError(
-                f"train.draft_vocab_size: {self.train.draft_vocab_size} exceeds the target vocab ({vocab})")
+        problems = cross_field_problems(self)
+        if problems:
+            # One line per problem, "field: message"; `_problems` splits them back into fields.
+            raise ValueError("\n".join(f"{field}: {msg}" for field, msg in problems))
         return self
 
     def aux_layer_ids(self) -> list[int]:
@@ -321,6 +314,30 @@ class LifecycleConfig(Strict):
             raise ConfigError([("target.num_hidden_layers",
                                 "unknown: set it or point target.path at a model with config.json")])
         return default_aux_layer_ids(layers)
+
+
+def cross_field_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
+    """Checks that need more than one section (or the target's config.json)."""
+    problems: list[tuple[str, str]] = []
+    shape = cfg.target.resolved_shape()
+    layers, vocab = shape["num_hidden_layers"], shape["vocab_size"]
+    ids = cfg.dump.aux_layer_ids
+    if ids is not None and len(set(ids)) != 3:
+        problems.append(("dump.aux_layer_ids", f"{ids} must be three distinct layers"))
+    if ids is None and layers is not None and len(set(default_aux_layer_ids(layers))) != 3:
+        problems.append(("dump.aux_layer_ids",
+                         f"the default {default_aux_layer_ids(layers)} for a {layers}-layer target is "
+                         f"not three distinct layers; set them explicitly"))
+    if ids is not None and layers is not None:
+        bad = [i for i in ids if not 0 <= i < layers]
+        if bad:
+            problems.append(("dump.aux_layer_ids",
+                             f"{bad} out of range for a target with {layers} layers "
+                             f"(ids are 0-based outputs of layers 0..{layers - 1})"))
+    if vocab is not None and cfg.train.draft_vocab_size > vocab:
+        problems.append(("train.draft_vocab_size",
+                         f"{cfg.train.draft_vocab_size} exceeds the target vocab ({vocab})"))
+    return problems
 
 
 class ConfigError(Exception):
@@ -337,11 +354,15 @@ class ConfigError(Exception):
 def _problems(err: ValidationError) -> list[tuple[str, str]]:
     out = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        field = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field (not part of the configuration schema)"
-        out.append((field, msg))
+        if field:
+            out.append((field, msg))
+        else:  # cross-field checks report "field: message" lines
+            out.extend(tuple(line.split(": ", 1)) if ": " in line else ("<root>", line)
+                       for line in msg.splitlines())
     return out
 
 

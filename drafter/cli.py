@@ -1,0 +1,131 @@
+"""The `drafter` command: every stage can run from a terminal without Prefect."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from drafter.config import ConfigError, LifecycleConfig, config_to_yaml, load_config
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Train, export, serve and benchmark EAGLE-3 drafters.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect and validate configuration profiles.")
+app.add_typer(config_app, name="config")
+
+ConfigOpt = typer.Option(..., "--config", "-c", help="YAML profile, e.g. profiles/demo.yaml")
+
+
+def _load(path: Path) -> LifecycleConfig:
+    try:
+        return load_config(path)
+    except ConfigError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2) from None
+
+
+@config_app.command("validate")
+def config_validate(files: list[Path] = typer.Argument(..., help="profiles to check")) -> None:
+    """Print every problem in each profile; exit non-zero if any profile is invalid."""
+    failed = 0
+    for path in files:
+        try:
+            load_config(path)
+            typer.echo(f"{path}: ok")
+        except ConfigError as err:
+            failed += 1
+            typer.echo(f"{path}: {len(err.problems)} problem(s)", err=True)
+            for field, msg in err.problems:
+                typer.echo(f"  {field}: {msg}", err=True)
+    raise typer.Exit(1 if failed else 0)
+
+
+@config_app.command("show")
+def config_show(file: Path = typer.Argument(..., help="profile to resolve")) -> None:
+    """Print the resolved configuration with every default filled in."""
+    cfg = _load(file)
+    typer.echo(config_to_yaml(cfg), nl=False)
+
+
+@app.command("demo-target")
+def demo_target(config: Path = ConfigOpt,
+                force: bool = typer.Option(False, help="rebuild even if a matching target exists")) -> None:
+    """Train (once) and cache the tiny demo target described by `target.demo`."""
+    from drafter.demo_target import build_demo_target, ensure_demo_target
+
+    cfg = _load(config)
+    if cfg.target.demo is None:
+        typer.echo(f"{config}: target.demo is not set; this profile uses an existing model", err=True)
+        raise typer.Exit(2)
+    bar = _progress_bar("demo target", unit="step")
+    build = build_demo_target if force else ensure_demo_target
+    report = build(cfg.target.demo, cfg.target.path, progress=bar.update_to)
+    bar.close()
+    typer.echo(json.dumps({k: report[k] for k in report if k != "config"}, indent=2, default=str))
+
+
+@app.command("prepare")
+def prepare(config: Path = ConfigOpt) -> None:
+    """Normalise, dedupe, filter and split the prompt corpus into the object store."""
+    from drafter.prepare import run_prepare
+    from drafter.store import open_store
+
+    cfg = _load(config)
+    result = run_prepare(cfg, open_store(cfg.storage))
+    state = "skipped (already complete)" if result.skipped else "done"
+    typer.echo(f"prepare {state}: {result.uri}")
+    typer.echo(json.dumps(result.manifest.meta, indent=2, default=str))
+
+
+@app.command("serve")
+def serve(config: Path = ConfigOpt,
+          check: bool = typer.Option(False, "--check",
+                                     help="start, gate, print one JSON line, tear down; exit 0 only if ready"),
+          draft: Optional[str] = typer.Option(None, help="drafter directory (overrides serve.draft_path)"),
+          fault: list[str] = typer.Option([], hidden=True, help="reference engine fault injection (tests)"),
+          quiet: bool = typer.Option(False, help="do not echo server log lines")) -> None:
+    """Run an inference server with validated speculative settings behind the readiness gate."""
+    from drafter.serving.check import check_server, serve_forever
+
+    cfg = _load(config)
+    on_line = None if quiet else (lambda line: typer.echo(line, err=True))
+    draft_path = draft or cfg.serve.draft_path
+    if check:
+        report = check_server(cfg, draft_path=draft_path, faults=tuple(fault), on_line=on_line)
+        typer.echo(json.dumps(report, default=str))
+        raise typer.Exit(0 if report["status"] == "ready" else 1)
+    serve_forever(cfg, draft_path=draft_path, on_line=on_line)
+
+
+class _Bar:
+    """A tqdm bar fed by library progress callbacks `(done, total, *info)`."""
+
+    def __init__(self, desc: str, unit: str):
+        from tqdm import tqdm
+
+        self._bar = tqdm(desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+
+    def update_to(self, done: int, total: int | None = None, *info) -> None:
+        if total is not None and self._bar.total != total:
+            self._bar.total = total
+        self._bar.n = done
+        if info:
+            self._bar.set_postfix_str(", ".join(_fmt(i) for i in info))
+        self._bar.refresh()
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _progress_bar(desc: str, unit: str = "it") -> _Bar:
+    return _Bar(desc, unit)
+
+
+if __name__ == "__main__":
+    app()
