@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Start a local Prefect server (SQLite under .prefect/) and a process worker, then deploy.
+# Each runs in its own session with a pid file so infra/prefect-down.sh stops the whole group.
+set -euo pipefail
+source "$(dirname "$0")/prefect-env.sh"
+cd "$ROOT"
+
+alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+if alive "$RUN_DIR/server.pid"; then
+  echo "prefect server already running (pid $(cat "$RUN_DIR/server.pid"))"
+else
+  if (exec 3<>"/dev/tcp/$PREFECT_SERVER_API_HOST/$PREFECT_SERVER_API_PORT") 2>/dev/null; then
+    echo "port $PREFECT_SERVER_API_PORT is taken by another process; set PREFECT_SERVER_API_PORT" >&2
+    exit 1
+  fi
+  setsid "$PREFECT" server start --host "$PREFECT_SERVER_API_HOST" --port "$PREFECT_SERVER_API_PORT" \
+    >"$RUN_DIR/server.log" 2>&1 < /dev/null &
+  echo $! > "$RUN_DIR/server.pid"
+  echo "prefect server starting (log: $RUN_DIR/server.log)"
+fi
+
+for _ in $(seq 1 120); do
+  if "$VENV/bin/python" -c "import httpx,sys; sys.exit(httpx.get('$PREFECT_API_URL/health', timeout=2).status_code != 200)" 2>/dev/null; then
+    break
+  fi
+  alive "$RUN_DIR/server.pid" || { echo "prefect server exited:" >&2; tail -20 "$RUN_DIR/server.log" >&2; exit 1; }
+  sleep 1
+done
+"$VENV/bin/python" -c "import httpx,sys; sys.exit(httpx.get('$PREFECT_API_URL/health', timeout=2).status_code != 200)" \
+  || { echo "prefect server did not become healthy; see $RUN_DIR/server.log" >&2; exit 1; }
+echo "prefect server ready at $PREFECT_API_URL"
+
+"$PREFECT" work-pool inspect "$POOL" >/dev/null 2>&1 || "$PREFECT" work-pool create "$POOL" --type process >/dev/null
+echo "work pool $POOL ready"
+
+if alive "$RUN_DIR/worker.pid"; then
+  echo "worker already running (pid $(cat "$RUN_DIR/worker.pid"))"
+else
+  setsid "$PREFECT" worker start --pool "$POOL" --type process >"$RUN_DIR/worker.log" 2>&1 < /dev/null &
+  echo $! > "$RUN_DIR/worker.pid"
+  echo "worker started (log: $RUN_DIR/worker.log)"
+fi
+
+"$PREFECT" --no-prompt deploy --all --prefect-file deployments/prefect.yaml >"$RUN_DIR/deploy.log" 2>&1 \
+  || { cat "$RUN_DIR/deploy.log" >&2; exit 1; }
+echo "deployments registered: $("$PREFECT" deployment ls 2>/dev/null | grep -c drafter-lifecycle || true) (log: $RUN_DIR/deploy.log)"
