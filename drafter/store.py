@@ -1,0 +1,502 @@
+"""Object storage behind one small interface: `file://` (embedded default) and `s3://`.
+
+Keys are relative to the store root and always use "/" ("prepare/ab12/train.jsonl"). Both backends
+guarantee that an object is either absent or complete under its final name: FileStore writes a temp
+file next to the target and renames it, S3 makes an object visible only once its upload finished.
+Integrity (sha256) is checked one level up, in `drafter.stage_output`.
+
+Retries on S3 come in two layers, on purpose:
+- botocore's own retry loop ("standard" mode, `max_attempts` HTTP attempts per request, exponential
+  backoff with jitter) handles throttling (SlowDown, 503, RequestLimitExceeded, Throttling) and 5xx
+  per request, so one throttled part of a 10 GB multipart upload is retried alone;
+- our `_retry` wrapper re-runs the whole operation when the connection itself failed after botocore
+  gave up (endpoint restarting, connection reset, read timeout mid-stream): an S3-compatible server
+  that restarts takes longer than botocore's sub-second connection backoff.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import random
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO, TypeVar
+
+from drafter.config import StorageConfig
+
+log = logging.getLogger(__name__)
+
+CHUNK = 8 * 1024 * 1024  # streaming unit for reads, copies and hashing
+MiB = 1024 * 1024
+# Marks FileStore temp files. Keys may not contain it, so list() can always tell them apart.
+TMP_MARK = ".drafter-tmp-"
+
+T = TypeVar("T")
+
+
+class StoreError(Exception):
+    """A storage operation failed (after retries, where retrying made sense)."""
+
+
+class ObjectNotFound(StoreError):
+    """The key does not exist."""
+
+
+class CorruptObject(StoreError):
+    """An object's bytes do not match what was recorded for it (sha256 or size)."""
+
+    def __init__(self, key: str, detail: str, uri: str | None = None):
+        self.key = key
+        self.uri = uri or key
+        super().__init__(f"corrupt object {self.uri}: {detail}")
+
+
+def check_key(key: str) -> str:
+    """Reject keys that could escape the root or collide with temp files; return the key."""
+    if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/") or "\\" in key:
+        raise StoreError(f"invalid object key {key!r}: need a relative 'a/b/c' path")
+    for part in key.split("/"):
+        if part in ("", ".", "..") or TMP_MARK in part:
+            raise StoreError(f"invalid object key {key!r}: bad path segment {part!r}")
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """A list/delete prefix is a plain string prefix (S3 semantics), but never escapes the root."""
+    if prefix and (prefix.startswith("/") or "\\" in prefix or ".." in prefix.split("/")):
+        raise StoreError(f"invalid prefix {prefix!r}")
+    return prefix
+
+
+class ObjectStore(ABC):
+    """Flat key -> bytes store. Writes are atomic per object; reads of a missing key raise
+    ObjectNotFound. `delete` of a missing key is a no-op (as on S3)."""
+
+    @abstractmethod
+    def uri(self, key: str) -> str: ...
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def put_file(self, key: str, path: str | os.PathLike) -> None: ...
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def get_file(self, key: str, path: str | os.PathLike) -> None:
+        """Download to `path` atomically (a partial download never sits under `path`)."""
+
+    @abstractmethod
+    def size(self, key: str) -> int | None: ...
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted keys starting with `prefix` (recursive)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """{key: size} for keys under prefix. Backends override this with one listing pass."""
+        return {k: s for k in self.list(prefix) if (s := self.size(k)) is not None}
+
+    def iter_chunks(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+        """Stream an object. Backends override this so large objects never sit in RAM."""
+        data = self.get_bytes(key)
+        for i in range(0, len(data), chunk_size):
+            yield data[i:i + chunk_size]
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = self.list(prefix)
+        for k in keys:
+            self.delete(k)
+        return len(keys)
+
+
+# --------------------------------------------------------------------------------------------------
+# file://
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write via a temp file in the same directory + fsync + os.replace: a crash leaves either the
+    old content or the new, never a half-written file under `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(d: Path) -> None:
+    """Make the rename itself durable (POSIX); not supported everywhere, hence best effort."""
+    with contextlib.suppress(OSError):
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _open_local(path: str | os.PathLike, what: str) -> BinaryIO:
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise StoreError(f"{what}: cannot read local file {path}: {e}") from e
+
+
+def _copy_stream(src: BinaryIO, dst: BinaryIO) -> None:
+    while chunk := src.read(CHUNK):
+        dst.write(chunk)
+
+
+class FileStore(ObjectStore):
+    """Objects are files under `root_dir`; the key is the relative path."""
+
+    def __init__(self, root_dir: str | os.PathLike):
+        self.root = Path(root_dir).expanduser().resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"FileStore({str(self.root)!r})"
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def uri(self, key: str) -> str:
+        return f"file://{self._path(key)}" if key else f"file://{self.root}"
+
+    @contextlib.contextmanager
+    def _os_errors(self, op: str, key: str):
+        try:
+            yield
+        except FileNotFoundError as e:
+            raise ObjectNotFound(f"{op}: no such object {self.uri(key)}") from e
+        except IsADirectoryError as e:
+            raise ObjectNotFound(f"{op}: {self.uri(key)} is a directory, not an object") from e
+        except OSError as e:
+            raise StoreError(f"{op} {self.uri(key)}: {e}") from e
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        with self._os_errors("put", key):
+            atomic_write(self._path(key), lambda f: f.write(data))
+
+    def put_file(self, key: str, path: str | os.PathLike) -> None:
+        src = _open_local(path, f"put {self.uri(key)}")
+        with src, self._os_errors("put", key):
+            atomic_write(self._path(key), lambda f: _copy_stream(src, f))
+
+    def get_bytes(self, key: str) -> bytes:
+        with self._os_errors("get", key):
+            return self._path(key).read_bytes()
+
+    def get_file(self, key: str, path: str | os.PathLike) -> None:
+        with self._os_errors("get", key):
+            src = open(self._path(key), "rb")
+        with src:
+            try:
+                atomic_write(Path(path), lambda f: _copy_stream(src, f))
+            except OSError as e:
+                raise StoreError(f"get {self.uri(key)}: cannot write {path}: {e}") from e
+
+    def iter_chunks(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+        with self._os_errors("get", key), open(self._path(key), "rb") as f:
+            while chunk := f.read(chunk_size):
+                yield chunk
+
+    def size(self, key: str) -> int | None:
+        p = self._path(key)
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            if p.is_file():
+                return p.stat().st_size
+        return None
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        check_prefix(prefix)
+        base = self.root / prefix.rpartition("/")[0]  # deepest directory that can hold matches
+        out: dict[str, int] = {}
+        for dirpath, _dirs, files in os.walk(base):
+            rel_dir = Path(dirpath).relative_to(self.root).as_posix()
+            for name in files:
+                if TMP_MARK in name:
+                    continue
+                key = name if rel_dir == "." else f"{rel_dir}/{name}"
+                if key.startswith(prefix):
+                    with contextlib.suppress(FileNotFoundError):  # deleted while we listed
+                        out[key] = os.stat(os.path.join(dirpath, name)).st_size
+        return dict(sorted(out.items()))
+
+    def list(self, prefix: str = "") -> list[str]:
+        return list(self.list_sizes(prefix))
+
+    def delete(self, key: str) -> None:
+        with self._os_errors("delete", key):
+            self._path(key).unlink(missing_ok=True)
+
+    def delete_prefix(self, prefix: str) -> int:
+        n = super().delete_prefix(prefix)
+        self._prune_empty_dirs(self.root / prefix.rpartition("/")[0])
+        return n
+
+    def _prune_empty_dirs(self, top: Path) -> None:
+        """Remove directories left empty (cosmetic; a concurrent writer just recreates them)."""
+        if not top.is_dir():
+            return
+        for dirpath, _dirs, _files in sorted(os.walk(top), key=lambda t: -len(t[0])):
+            if Path(dirpath) != self.root:
+                with contextlib.suppress(OSError):
+                    os.rmdir(dirpath)
+
+
+# --------------------------------------------------------------------------------------------------
+# s3://
+
+
+def backoff_delay(attempt: int, base_s: float, max_s: float, rand: Callable[[], float] = random.random) -> float:
+    """Exponential backoff with full jitter (AWS architecture blog): uniform in
+    [0, min(max_s, base_s * 2**(attempt-1))]. Jitter keeps many workers from retrying in lockstep."""
+    return rand() * min(max_s, base_s * 2 ** (attempt - 1))
+
+
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import HTTPClientError, IncompleteReadError
+    from s3transfer.exceptions import RetriesExceededError
+
+    # EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError < botocore ConnectionError;
+    # ConnectionClosedError, ReadTimeoutError, ResponseStreamingError < HTTPClientError;
+    # RetriesExceededError: s3transfer gave up re-reading a download stream.
+    return (BotoConnectionError, HTTPClientError, IncompleteReadError, RetriesExceededError)
+
+
+_NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
+
+
+class S3Store(ObjectStore):
+    """Objects under s3://bucket/prefix/. Credentials come from the standard boto3 chain
+    (env vars, profile, instance/pod role); `endpoint_url` targets MinIO, Ceph RGW or any
+    S3-compatible service."""
+
+    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
+                 region: str | None = None, multipart_threshold_mb: int = 64,
+                 multipart_chunk_mb: int = 64, max_attempts: int = 5, *,
+                 retry_mode: str = "standard", backoff_base_s: float = 0.5, backoff_max_s: float = 20.0,
+                 max_concurrency: int = 8):
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        if not bucket or "/" in bucket:
+            raise StoreError(f"invalid bucket name {bucket!r}")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url
+        self.max_attempts = max_attempts
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self._sleep = time.sleep  # tests swap this to observe the backoff
+        self._transient = _transient_errors()
+        self.list_page_size = 1000  # S3's maximum; tests lower it to exercise pagination
+        extra: dict = {}
+        if endpoint_url:
+            # S3-compatible services: path-style addressing works without wildcard DNS, and many
+            # (older MinIO, Ceph RGW) reject the streaming CRC trailers botocore >= 1.36 sends by
+            # default. We verify sha256 ourselves one level up, so "when_required" loses nothing.
+            extra = dict(s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
+                         response_checksum_validation="when_required")
+        # total_max_attempts counts the first try; botocore's "max_attempts" key would count retries.
+        config = Config(retries={"mode": retry_mode, "total_max_attempts": max_attempts},
+                        connect_timeout=10, read_timeout=120,
+                        max_pool_connections=max(10, max_concurrency * 2), **extra)
+        # A private session: boto3's default session is not thread-safe to create clients from.
+        self.client = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url, region_name=region, config=config)
+        self.transfer_config = TransferConfig(
+            multipart_threshold=multipart_threshold_mb * MiB, multipart_chunksize=multipart_chunk_mb * MiB,
+            max_concurrency=max_concurrency, use_threads=True)
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.uri('')!r}, endpoint_url={self.endpoint_url!r})"
+
+    def _full(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _full_prefix(self, prefix: str) -> str:
+        check_prefix(prefix)
+        return f"{self.prefix}/{prefix}" if self.prefix else prefix
+
+    def uri(self, key: str) -> str:
+        path = self._full(key) if key else self.prefix
+        return f"s3://{self.bucket}/{path}"
+
+    # ---- error handling
+
+    def _translate(self, err: Exception, op: str, key: str) -> StoreError:
+        code = str(getattr(err, "response", {}).get("Error", {}).get("Code", ""))
+        if code in _NOT_FOUND_CODES:
+            return ObjectNotFound(f"{op}: no such object {self.uri(key)}")
+        if code == "NoSuchBucket":
+            return StoreError(f"{op} {self.uri(key)}: bucket {self.bucket!r} does not exist "
+                              f"(endpoint {self.endpoint_url or 'AWS'})")
+        return StoreError(f"{op} {self.uri(key)}: {err}")
+
+    def _retry(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run `fn`, re-running it on connection-level failures with exponential backoff + jitter.
+        Throttling/5xx were already retried per request by botocore; other errors are final."""
+        from botocore.exceptions import ClientError
+
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return fn()
+            except ClientError as e:
+                raise self._translate(e, op, key) from e
+            except self._transient as e:
+                if attempt == self.max_attempts:
+                    raise StoreError(f"{op} {self.uri(key)}: giving up after {attempt} attempts: {e}") from e
+                delay = backoff_delay(attempt, self.backoff_base_s, self.backoff_max_s)
+                log.warning("%s %s: %s; retry %d/%d in %.2fs", op, self.uri(key), e,
+                            attempt, self.max_attempts - 1, delay)
+                self._sleep(delay)
+        raise AssertionError("unreachable")
+
+    # ---- operations
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        full = self._full(key)
+        self._retry("put", key, lambda: self.client.upload_fileobj(
+            io.BytesIO(data), self.bucket, full, Config=self.transfer_config))
+
+    def put_file(self, key: str, path: str | os.PathLike) -> None:
+        full = self._full(key)
+
+        def upload() -> None:
+            with _open_local(path, f"put {self.uri(key)}") as f:  # reopened: a retry starts at byte 0
+                self.client.upload_fileobj(f, self.bucket, full, Config=self.transfer_config)
+
+        self._retry("put", key, upload)
+
+    def get_bytes(self, key: str) -> bytes:
+        return b"".join(self.iter_chunks(key))
+
+    def iter_chunks(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+        """Stream with resume: after a broken connection continue at the byte we reached, pinned to
+        the same version by If-Match on the ETag so we never splice two different objects."""
+        from botocore.exceptions import ClientError
+
+        full, pos, etag, total, attempt = self._full(key), 0, None, None, 1
+        while True:
+            try:
+                extra = {"Range": f"bytes={pos}-", "IfMatch": etag} if pos else {}
+                resp = self.client.get_object(Bucket=self.bucket, Key=full, **extra)
+                etag = etag or resp["ETag"]
+                total = resp["ContentLength"] if total is None else total
+                for chunk in resp["Body"].iter_chunks(chunk_size):
+                    pos += len(chunk)
+                    yield chunk
+                return
+            except ClientError as e:
+                if pos and str(e.response.get("Error", {}).get("Code")) in ("PreconditionFailed", "412"):
+                    raise StoreError(f"get {self.uri(key)}: object changed while reading") from e
+                raise self._translate(e, "get", key) from e
+            except self._transient as e:
+                if total is not None and pos >= total:
+                    return
+                if attempt == self.max_attempts:
+                    raise StoreError(f"get {self.uri(key)}: giving up after {attempt} attempts: {e}") from e
+                self._sleep(backoff_delay(attempt, self.backoff_base_s, self.backoff_max_s))
+                attempt += 1
+
+    def get_file(self, key: str, path: str | os.PathLike) -> None:
+        full = self._full(key)
+        path = Path(path)
+
+        def download() -> None:
+            # download_fileobj runs parallel ranged GETs for large objects.
+            atomic_write(path, lambda f: self.client.download_fileobj(
+                self.bucket, full, f, Config=self.transfer_config))
+
+        try:
+            self._retry("get", key, download)
+        except OSError as e:
+            raise StoreError(f"get {self.uri(key)}: cannot write {path}: {e}") from e
+
+    def size(self, key: str) -> int | None:
+        full = self._full(key)
+        try:
+            head = self._retry("head", key, lambda: self.client.head_object(Bucket=self.bucket, Key=full))
+        except ObjectNotFound:
+            return None
+        return int(head["ContentLength"])
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        full_prefix = self._full_prefix(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+
+        def listing() -> dict[str, int]:  # restarted from scratch on a connection failure
+            out = {}
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full_prefix,
+                PaginationConfig={"PageSize": self.list_page_size})
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    out[obj["Key"][strip:]] = int(obj["Size"])
+            return out
+
+        return dict(sorted(self._retry("list", prefix, listing).items()))
+
+    def list(self, prefix: str = "") -> list[str]:
+        return list(self.list_sizes(prefix))
+
+    def delete(self, key: str) -> None:
+        full = self._full(key)
+        self._retry("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=full))
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = self.list(prefix)
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = [{"Key": self._full(k)} for k in keys[i:i + 1000]]
+            resp = self._retry("delete", prefix, lambda: self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}))
+            if resp.get("Errors"):
+                first = resp["Errors"][0]
+                raise StoreError(f"delete under {self.uri(prefix or '')}: {len(resp['Errors'])} keys failed, "
+                                 f"e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message')}")
+        return len(keys)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def open_store(cfg: StorageConfig) -> ObjectStore:
+    """file://DIR (relative to the current directory, resolved now) or s3://BUCKET[/PREFIX]."""
+    root = cfg.root
+    if root.startswith("file://"):
+        path = root[len("file://"):]
+        if not path:
+            raise StoreError("storage.root: file:// needs a directory")
+        return FileStore(path)
+    if root.startswith("s3://"):
+        bucket, _, prefix = root[len("s3://"):].partition("/")
+        return S3Store(bucket, prefix, endpoint_url=cfg.endpoint_url, region=cfg.region,
+                       multipart_threshold_mb=cfg.multipart_threshold_mb,
+                       multipart_chunk_mb=cfg.multipart_chunk_mb, max_attempts=cfg.max_attempts)
+    raise StoreError(f"storage.root: unsupported scheme in {root!r} (use file:// or s3://)")

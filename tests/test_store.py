@@ -1,0 +1,247 @@
+"""ObjectStore contract, run identically against file:// and a real S3 protocol server (moto)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from drafter.config import StorageConfig
+from drafter.store import (
+    TMP_MARK, FileStore, ObjectNotFound, S3Store, StoreError, atomic_write, backoff_delay, open_store)
+from tests.fixtures.s3 import S3_TEST_BUCKET
+
+MiB = 1024 * 1024
+
+
+def _blob(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def test_put_get_exists_size_roundtrip(any_store):
+    key = "prepare/ab12/train.jsonl"
+    any_store.put_bytes(key, b'{"a": 1}\n')
+    assert any_store.get_bytes(key) == b'{"a": 1}\n'
+    assert any_store.exists(key)
+    assert any_store.size(key) == 9
+    any_store.put_bytes("empty", b"")
+    assert any_store.get_bytes("empty") == b"" and any_store.size("empty") == 0
+    assert any_store.uri(key).endswith("/prepare/ab12/train.jsonl")
+    assert any_store.uri(key).startswith("s3://" if isinstance(any_store, S3Store) else "file:///")
+
+
+def test_overwrite_replaces_the_object(any_store):
+    any_store.put_bytes("k", b"old content")
+    any_store.put_bytes("k", b"new")
+    assert any_store.get_bytes("k") == b"new" and any_store.size("k") == 3
+    assert any_store.list() == ["k"]
+
+
+def test_missing_key(any_store, tmp_path):
+    assert not any_store.exists("nope/x")
+    assert any_store.size("nope/x") is None
+    with pytest.raises(ObjectNotFound, match="nope/x"):
+        any_store.get_bytes("nope/x")
+    with pytest.raises(ObjectNotFound, match="nope/x"):
+        any_store.get_file("nope/x", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    any_store.delete("nope/x")  # deleting a missing key is a no-op, as on S3
+
+
+def test_put_file_get_file_roundtrip(any_store, tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(_blob(100_000))
+    any_store.put_file("a/b/src.bin", src)
+    dst = tmp_path / "deep" / "er" / "dst.bin"  # missing parents are created
+    any_store.get_file("a/b/src.bin", dst)
+    assert dst.read_bytes() == src.read_bytes()
+    assert b"".join(any_store.iter_chunks("a/b/src.bin", 7_000)) == src.read_bytes()
+    assert [p.name for p in dst.parent.iterdir()] == ["dst.bin"]  # no temp file left behind
+
+
+def test_list_is_sorted_recursive_prefix_based_and_idempotent(any_store):
+    keys = ["a/b/2", "z", "a/c", "ab/x", "a/b/1"]
+    for i, k in enumerate(keys):
+        any_store.put_bytes(k, b"x" * i)
+    assert any_store.list() == sorted(keys)
+    assert any_store.list() == any_store.list()  # listing changes nothing
+    assert any_store.list("a/") == ["a/b/1", "a/b/2", "a/c"]
+    assert any_store.list("a") == ["a/b/1", "a/b/2", "a/c", "ab/x"]  # string prefix, as on S3
+    assert any_store.list("a/b/") == ["a/b/1", "a/b/2"]
+    assert any_store.list("missing/") == []
+    assert any_store.list_sizes("a/b/") == {"a/b/1": 4, "a/b/2": 0}
+
+
+def test_list_paginates(any_store):
+    pages = []
+    if isinstance(any_store, S3Store):
+        any_store.list_page_size = 3  # 8 keys -> 3 pages, same code path as 1000-key pages
+        any_store.client.meta.events.register("before-call.s3.ListObjectsV2", lambda **kw: pages.append(1))
+    keys = [f"many/{i:02d}" for i in range(8)]
+    for k in keys:
+        any_store.put_bytes(k, b"")
+    assert any_store.list("many/") == keys
+    assert len(pages) == (3 if isinstance(any_store, S3Store) else 0)
+    assert any_store.delete_prefix("many/") == 8
+
+
+def test_delete_and_delete_prefix(any_store):
+    for k in ["s/1/a", "s/1/b", "s/1/c/d", "s/10/a", "t/a"]:
+        any_store.put_bytes(k, b"1")
+    any_store.delete("s/1/a")
+    assert not any_store.exists("s/1/a")
+    assert any_store.delete_prefix("s/1/") == 2
+    assert any_store.list() == ["s/10/a", "t/a"]
+    assert any_store.delete_prefix("s/1/") == 0
+
+
+@pytest.mark.parametrize("bad", ["", "/abs", "../escape", "a/../../b", "a//b", "a/", "a/./b", "a\\b",
+                                 f"a/x{TMP_MARK}1"])
+def test_invalid_keys_are_rejected(any_store, bad):
+    with pytest.raises(StoreError, match="invalid"):
+        any_store.put_bytes(bad, b"x")
+
+
+def test_large_object_uses_multipart_on_s3(any_store, tmp_path):
+    data = _blob(12 * MiB + 123, seed=1)
+    src = tmp_path / "big.bin"
+    src.write_bytes(data)
+    any_store.put_file("big/file.bin", src)
+    any_store.put_bytes("big/bytes.bin", data)
+    for key in ("big/file.bin", "big/bytes.bin"):
+        assert any_store.size(key) == len(data)
+        out = tmp_path / f"out-{key.replace('/', '_')}"
+        any_store.get_file(key, out)
+        assert hashlib.sha256(out.read_bytes()).digest() == hashlib.sha256(data).digest()
+    assert any_store.get_bytes("big/bytes.bin") == data
+    if isinstance(any_store, S3Store):
+        # threshold 5 MB, chunk 5 MB: a multipart ETag is "<md5 of md5s>-<parts>"
+        for key in ("big/file.bin", "big/bytes.bin"):
+            head = any_store.client.head_object(Bucket=any_store.bucket, Key=any_store._full(key))
+            assert head["ETag"].strip('"').endswith("-3"), head["ETag"]
+
+
+# ---- file:// specifics
+
+
+def test_filestore_crash_before_rename_leaves_old_object(tmp_path, monkeypatch):
+    store = FileStore(tmp_path)
+    store.put_bytes("k", b"old")
+
+    def crash(src, dst):
+        raise KeyboardInterrupt("simulated crash between write and rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        store.put_bytes("k", b"new content")
+    monkeypatch.undo()
+    assert store.get_bytes("k") == b"old"
+    assert os.listdir(tmp_path) == ["k"]  # the temp file was cleaned up
+
+
+def test_filestore_never_lists_temp_files(tmp_path):
+    store = FileStore(tmp_path)
+    store.put_bytes("d/obj", b"1")
+    (tmp_path / "d" / f".obj{TMP_MARK}abc123").write_bytes(b"half-writ")  # left by a kill -9
+    assert store.list() == ["d/obj"]
+    assert store.delete_prefix("d/") == 1
+
+
+def test_atomic_write_failure_keeps_target_absent(tmp_path):
+    def half(f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        atomic_write(tmp_path / "x", half)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_open_store_parses_roots(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = open_store(StorageConfig(root="file://runs/store"))
+    assert isinstance(store, FileStore) and store.root == tmp_path / "runs" / "store"
+    assert store.uri("a/b") == f"file://{tmp_path}/runs/store/a/b"
+    abs_store = open_store(StorageConfig(root=f"file://{tmp_path}/abs"))
+    assert abs_store.root == tmp_path / "abs"
+    s3 = open_store(StorageConfig(root="s3://bkt/some/prefix/", endpoint_url="http://127.0.0.1:1",
+                                  region="us-east-1"))
+    assert isinstance(s3, S3Store)
+    assert (s3.bucket, s3.prefix) == ("bkt", "some/prefix")
+    assert s3.uri("x/y") == "s3://bkt/some/prefix/x/y"
+    bare = open_store(StorageConfig(root="s3://bkt", region="us-east-1"))
+    assert bare.uri("x") == "s3://bkt/x"
+
+
+# ---- s3:// specifics: errors and retries against real sockets
+
+
+@pytest.mark.s3
+def test_s3_missing_bucket_is_a_clear_error(s3_endpoint):
+    store = S3Store("no-such-bucket", "p", endpoint_url=s3_endpoint, region="us-east-1")
+    with pytest.raises(StoreError, match="no-such-bucket"):
+        store.put_bytes("k", b"x")
+
+
+def test_backoff_delay_is_exponential_capped_and_jittered():
+    top = [backoff_delay(a, 0.5, 5.0, rand=lambda: 1.0) for a in range(1, 7)]
+    assert top == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert backoff_delay(3, 0.5, 5.0, rand=lambda: 0.25) == 0.5
+    rng = random.Random(0)
+    samples = {backoff_delay(4, 0.5, 5.0, rand=rng.random) for _ in range(50)}
+    assert len(samples) == 50 and all(0 <= s <= 4.0 for s in samples)
+
+
+def _store_via(proxy, cfg: StorageConfig, max_attempts: int) -> S3Store:
+    bucket, _, prefix = cfg.root.removeprefix("s3://").partition("/")
+    store = S3Store(bucket, prefix, endpoint_url=proxy.url, region="us-east-1", max_attempts=max_attempts,
+                    backoff_base_s=0.05)
+    store.sleeps = []
+    store._sleep = store.sleeps.append  # observe our wrapper's backoff without waiting
+    return store
+
+
+@pytest.mark.s3
+def test_s3_throttling_is_retried_by_botocore(s3_fault_proxy, s3_storage_config):
+    open_store(s3_storage_config).put_bytes("obj", b"payload")
+    store = _store_via(s3_fault_proxy, s3_storage_config, max_attempts=5)
+    s3_fault_proxy.inject("slowdown", "slowdown")
+    assert store.get_bytes("obj") == b"payload"
+    assert s3_fault_proxy.served == ["slowdown", "slowdown"]
+    assert s3_fault_proxy.connections == 3
+
+    # Control: the same fault without retries fails, so the success above came from retrying.
+    no_retry = _store_via(s3_fault_proxy, s3_storage_config, max_attempts=1)
+    s3_fault_proxy.inject("slowdown")
+    with pytest.raises(StoreError, match="SlowDown"):
+        no_retry.get_bytes("obj")
+
+
+@pytest.mark.s3
+def test_s3_dropped_connections_are_retried_by_our_wrapper(s3_fault_proxy, s3_storage_config):
+    # botocore makes 2 attempts per call, both dropped; our wrapper backs off and re-runs the call.
+    store = _store_via(s3_fault_proxy, s3_storage_config, max_attempts=2)
+    s3_fault_proxy.inject("drop", "drop", "drop")
+    store.put_bytes("obj", b"payload")
+    assert s3_fault_proxy.served == ["drop"] * 3
+    assert len(store.sleeps) == 1 and 0 <= store.sleeps[0] <= 0.05
+    assert open_store(s3_storage_config).get_bytes("obj") == b"payload"
+
+    # Four drops exhaust 2 wrapper attempts x 2 botocore attempts: a clear, final error.
+    s3_fault_proxy.inject("drop", "drop", "drop", "drop")
+    with pytest.raises(StoreError, match="giving up after 2 attempts"):
+        store.size("obj")
+    assert len(store.sleeps) == 2 and 0 <= store.sleeps[1] <= 0.05
+
+
+@pytest.mark.s3
+def test_s3_stream_cut_mid_body_resumes_where_it_stopped(s3_fault_proxy, s3_storage_config):
+    data = _blob(2 * MiB, seed=2)
+    open_store(s3_storage_config).put_bytes("obj", data)
+    store = _store_via(s3_fault_proxy, s3_storage_config, max_attempts=3)
+    s3_fault_proxy.inject("cut:300000")
+    assert store.get_bytes("obj") == data
+    assert s3_fault_proxy.served == ["cut:300000"]
+    assert len(store.sleeps) == 1  # one resume, not a failure
