@@ -8,8 +8,8 @@ Source-level problems (a missing file, a directory that is not a dataset) raise 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, TextIO
@@ -194,10 +194,8 @@ def read_source(src: DataSource, stats: ReadStats) -> Iterator[Any]:
         if not Path(src.path).is_dir():
             raise SourceError(f"no such directory: {src.path}")
         it = _iter_hf_disk(src, stats)
-    for n, row in enumerate(it):
-        if src.limit is not None and n >= src.limit:
-            break
-        yield row
+    # islice stops before pulling row limit+1, so `stats.rows` counts only what was used.
+    yield from itertools.islice(it, src.limit)
 
 
 def _sha256_file(path: Path) -> str:
