@@ -1,0 +1,333 @@
+"""Content-addressed stage outputs and the commit protocol.
+
+Layout under the store root: `<stage>/<fingerprint>/`
+    <shard names...>          the data, written one by one
+    _parts/<shard>.json       a marker per shard, written only AFTER the shard was read back and
+                              verified (size + sha256): the resume point of a killed stage
+    _SUCCESS.json             the manifest, written LAST: the stage is complete iff it exists, parses,
+                              and every shard it lists exists with the listed size
+
+The fingerprint hashes everything that determines the output (stage config, upstream fingerprints,
+format version), so a changed input lands in a new prefix and an old output is never reused by
+mistake. Every read is checked against the recorded sha256: corruption raises CorruptObject, it is
+never silently used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import uuid
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path, PurePath
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+
+from drafter.store import CHUNK, CorruptObject, ObjectNotFound, ObjectStore, StoreError, check_key
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "_SUCCESS.json"
+PARTS_DIR = "_parts"
+
+
+class ManifestError(StoreError):
+    """A `_SUCCESS.json` exists but cannot be used (bad JSON, wrong schema, wrong stage)."""
+
+
+# ---- fingerprints and hashing
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, BaseModel):
+        return obj.model_dump(mode="json")
+    if isinstance(obj, PurePath):
+        return str(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    # Falling back to str() could hash memory addresses (unstable) or hide a bug: refuse instead.
+    raise TypeError(f"fingerprint: {type(obj).__name__} is not JSON-serializable: {obj!r}")
+
+
+def fingerprint(stage: str, config: dict, upstream: Iterable[str] = (),
+                format_version: int = FORMAT_VERSION) -> str:
+    """First 16 hex chars of sha256 over canonical JSON (sorted keys, no whitespace) of all inputs.
+    Upstream order is kept: positional upstreams are not interchangeable."""
+    payload = {"stage": stage, "config": config, "upstream": list(upstream),
+               "format_version": format_version}
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False, default=_jsonable)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def hash_chunks(chunks: Iterable[bytes]) -> tuple[int, str]:
+    """(size, sha256 hex) of a byte stream, without holding it in memory."""
+    h, n = hashlib.sha256(), 0
+    for chunk in chunks:
+        h.update(chunk)
+        n += len(chunk)
+    return n, h.hexdigest()
+
+
+def hash_file(path: str | os.PathLike) -> tuple[int, str]:
+    with open(path, "rb") as f:
+        return hash_chunks(iter(lambda: f.read(CHUNK), b""))
+
+
+# ---- manifest models
+
+
+class ShardInfo(BaseModel):
+    name: str
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    meta: dict = Field(default_factory=dict)
+
+
+class Manifest(BaseModel):
+    stage: str
+    fingerprint: str
+    format_version: int = FORMAT_VERSION
+    created_at: str = Field(description="ISO 8601, UTC")
+    shards: list[ShardInfo] = Field(default_factory=list)
+    meta: dict = Field(default_factory=dict, description="stage-specific: counts, layer ids, ...")
+
+    def shard(self, name: str) -> ShardInfo:
+        for s in self.shards:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+
+# ---- the output of one stage run
+
+
+class StageOutput:
+    """One stage's output at `<stage>/<fingerprint>/` in `store`."""
+
+    def __init__(self, store: ObjectStore, stage: str, fingerprint: str):
+        check_key(stage)
+        if "/" in stage or "/" in fingerprint or not fingerprint:
+            raise StoreError(f"invalid stage {stage!r} / fingerprint {fingerprint!r}")
+        self.store = store
+        self.stage = stage
+        self.fingerprint = fingerprint
+        self.prefix = f"{stage}/{fingerprint}"
+        self._manifest: Manifest | None = None  # cached for shard reads; a commit never changes
+
+    @classmethod
+    def for_inputs(cls, store: ObjectStore, stage: str, config: dict, upstream: Iterable[str] = (),
+                   format_version: int = FORMAT_VERSION) -> "StageOutput":
+        return cls(store, stage, fingerprint(stage, config, upstream, format_version))
+
+    def __repr__(self) -> str:
+        return f"StageOutput({self.uri!r})"
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri(self.prefix)
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def _marker_key(self, name: str) -> str:
+        return self.key(f"{PARTS_DIR}/{name}.json")
+
+    @staticmethod
+    def _check_name(name: str) -> None:
+        check_key(name)
+        if name.startswith("_"):
+            raise StoreError(f"shard name {name!r}: names starting with '_' are reserved")
+
+    # ---- state
+
+    def load_manifest(self) -> Manifest:
+        key = self.key(MANIFEST_NAME)
+        try:
+            raw = self.store.get_bytes(key)
+        except ObjectNotFound:
+            raise ObjectNotFound(f"{self.stage} is not committed: no manifest {self.store.uri(key)}") from None
+        try:
+            manifest = Manifest.model_validate_json(raw)
+        except (ValidationError, ValueError) as e:
+            raise ManifestError(f"invalid manifest {self.store.uri(key)}: {e}") from e
+        if (manifest.stage, manifest.fingerprint) != (self.stage, self.fingerprint):
+            raise ManifestError(f"manifest {self.store.uri(key)} is for {manifest.stage}/"
+                                f"{manifest.fingerprint}, expected {self.prefix}")
+        self._manifest = manifest
+        return manifest
+
+    def is_complete(self) -> bool:
+        """Manifest present and valid, every listed shard present with its listed size. Hashes are
+        checked on read (hashing TBs here would make this check unusable). Storage outages still
+        raise: answering False would make a caller wipe and recompute a good output."""
+        try:
+            manifest = self.load_manifest()
+        except (ObjectNotFound, ManifestError):
+            return False
+        sizes = self.store.list_sizes(self.prefix + "/")
+        return all(sizes.get(self.key(s.name)) == s.size for s in manifest.shards)
+
+    def completed_shards(self) -> dict[str, ShardInfo]:
+        """Shards written and verified so far, by name (sorted). A marker only counts while its
+        shard still exists with the recorded size."""
+        sizes = self.store.list_sizes(self.prefix + "/")
+        parts = self.key(PARTS_DIR) + "/"
+        done: dict[str, ShardInfo] = {}
+        for marker in (k for k in sizes if k.startswith(parts) and k.endswith(".json")):
+            try:
+                info = ShardInfo.model_validate_json(self.store.get_bytes(marker))
+            except ObjectNotFound:
+                continue  # removed while we listed
+            except (ValidationError, ValueError) as e:
+                log.warning("ignoring unreadable shard marker %s: %s", self.store.uri(marker), e)
+                continue
+            if self._marker_key(info.name) == marker and sizes.get(self.key(info.name)) == info.size:
+                done[info.name] = info
+        return dict(sorted(done.items()))
+
+    # ---- writing
+
+    def write_shard(self, name: str, data: bytes | str | Path, meta: dict | None = None) -> ShardInfo:
+        """Upload one shard, read it back to verify size + sha256, then record its marker.
+        `data`: bytes, str (text, stored UTF-8) or a Path/PathLike to a local file (streamed)."""
+        self._check_name(name)
+        self._uncommit_for_repair()
+        key = self.key(name)
+        # A stale marker must never vouch for the new bytes if we die mid-upload.
+        self.store.delete(self._marker_key(name))
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            data = bytes(data)
+            size, sha = len(data), hashlib.sha256(data).hexdigest()
+            self.store.put_bytes(key, data)
+        elif isinstance(data, os.PathLike):
+            try:
+                size, sha = hash_file(data)
+            except OSError as e:
+                raise StoreError(f"shard {name}: cannot read {data}: {e}") from e
+            self.store.put_file(key, data)
+        else:
+            raise TypeError(f"shard data must be bytes, str or a Path, not {type(data).__name__}")
+        self._verify(key, ShardInfo(name=name, size=size, sha256=sha),
+                     *hash_chunks(self.store.iter_chunks(key)), when="after upload")
+        info = ShardInfo(name=name, size=size, sha256=sha, meta=meta or {})
+        self.store.put_bytes(self._marker_key(name), info.model_dump_json().encode())
+        return info
+
+    def _uncommit_for_repair(self) -> None:
+        """Writing into a committed output: refuse if it is complete (that needs reset()); if the
+        commit is broken (missing shard, bad manifest) remove the manifest first, so the output is
+        visibly incomplete before any shard changes."""
+        manifest_key = self.key(MANIFEST_NAME)
+        if not self.store.exists(manifest_key):
+            return
+        if self.is_complete():
+            raise StoreError(f"{self.uri} is committed and complete; call reset() to re-run it")
+        log.warning("removing the broken commit %s before repairing it", self.store.uri(manifest_key))
+        self.store.delete(manifest_key)
+        self._manifest = None
+
+    def commit(self, meta: dict | None = None, expect: Iterable[str] | None = None) -> Manifest:
+        """Write `_SUCCESS.json` (last) listing every completed shard sorted by name. Idempotent:
+        committing the same shards and meta again returns the existing manifest unchanged.
+        `expect`: shard names that must all be complete, else StoreError names the missing ones."""
+        shards = self.completed_shards()
+        if expect is not None:
+            missing = sorted(set(expect) - set(shards))
+            if missing:
+                raise StoreError(f"cannot commit {self.uri}: {len(missing)} shards missing, "
+                                 f"e.g. {missing[:5]}")
+        manifest = Manifest(stage=self.stage, fingerprint=self.fingerprint, format_version=FORMAT_VERSION,
+                            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                            shards=list(shards.values()), meta=meta or {})
+        try:
+            existing = self.load_manifest()
+        except (ObjectNotFound, ManifestError):
+            existing = None
+        if existing is not None:
+            same = (existing.model_dump(mode="json", exclude={"created_at"})
+                    == manifest.model_dump(mode="json", exclude={"created_at"}))
+            if same:
+                return existing
+            if self.is_complete():
+                raise StoreError(f"{self.uri} is already committed with different shards or meta; "
+                                 f"call reset() to re-run it")
+        self.store.put_bytes(self.key(MANIFEST_NAME), manifest.model_dump_json(indent=2).encode())
+        self._manifest = manifest
+        return manifest
+
+    def reset(self) -> int:
+        """Delete the whole output (forced re-run). The manifest goes first, so an interrupted
+        reset leaves an incomplete output, never a 'complete' one with holes. Returns the count."""
+        manifest_key = self.key(MANIFEST_NAME)
+        had_manifest = self.store.exists(manifest_key)
+        self.store.delete(manifest_key)
+        self._manifest = None
+        return int(had_manifest) + self.store.delete_prefix(self.prefix + "/")
+
+    # ---- reading
+
+    def _expected(self, name: str) -> ShardInfo:
+        """What shard `name` must contain: from the manifest once committed, else its marker."""
+        self._check_name(name)
+        manifest = self._manifest
+        if manifest is None:
+            try:
+                manifest = self.load_manifest()
+            except ObjectNotFound:
+                manifest = None
+        if manifest is not None:
+            try:
+                return manifest.shard(name)
+            except KeyError:
+                raise ObjectNotFound(f"shard {name!r} is not in the manifest of {self.uri}") from None
+        try:
+            return ShardInfo.model_validate_json(self.store.get_bytes(self._marker_key(name)))
+        except ObjectNotFound:
+            raise ObjectNotFound(f"no verified shard {self.store.uri(self.key(name))} "
+                                 f"(never completed, or still being written)") from None
+        except (ValidationError, ValueError) as e:
+            raise StoreError(f"unreadable marker for {self.store.uri(self.key(name))}: {e}") from e
+
+    def _verify(self, key: str, want: ShardInfo, size: int, sha: str, when: str = "on read") -> None:
+        uri = self.store.uri(key)
+        if size != want.size:
+            hint = " (truncated)" if size < want.size else ""
+            raise CorruptObject(key, f"size mismatch {when}: expected {want.size} bytes, got {size}{hint}", uri)
+        if sha != want.sha256:
+            raise CorruptObject(key, f"sha256 mismatch {when}: expected {want.sha256}, got {sha}", uri)
+
+    def read_shard(self, name: str) -> bytes:
+        """The verified bytes of a shard (small shards; use download_shard for big ones)."""
+        want = self._expected(name)
+        key = self.key(name)
+        data = self.store.get_bytes(key)
+        self._verify(key, want, len(data), hashlib.sha256(data).hexdigest())
+        return data
+
+    def download_shard(self, name: str, path: str | os.PathLike) -> Path:
+        """Download to `path` (or into it, if it is a directory), streaming and verifying. A file
+        that fails verification is removed, never left under `path`."""
+        want = self._expected(name)
+        key = self.key(name)
+        path = Path(path)
+        if path.is_dir():
+            path = path / PurePath(name).name
+        tmp = path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
+        try:
+            self.store.get_file(key, tmp)
+            self._verify(key, want, *hash_file(tmp))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
