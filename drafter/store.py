@@ -130,8 +130,14 @@ class ObjectStore(ABC):
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write via a temp file in the same directory + fsync + os.replace: a crash leaves either the
     old content or the new, never a half-written file under `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+    for attempt in (1, 2):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+            break
+        except FileNotFoundError:  # a concurrent delete_prefix pruned the empty directory
+            if attempt == 2:
+                raise
     try:
         os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as f:
@@ -169,7 +175,8 @@ def _copy_stream(src: BinaryIO, dst: BinaryIO) -> None:
 
 
 class FileStore(ObjectStore):
-    """Objects are files under `root_dir`; the key is the relative path."""
+    """Objects are files under `root_dir`; the key is the relative path. Unlike S3, a key cannot
+    also be a "directory" of other keys ("a" and "a/b" together): stage layouts never need that."""
 
     def __init__(self, root_dir: str | os.PathLike):
         self.root = Path(root_dir).expanduser().resolve()
