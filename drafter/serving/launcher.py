@@ -1,0 +1,632 @@
+"""Start a server process, watch its log, and tear it down completely.
+
+- `preflight` refuses a launch that cannot work (port taken, model missing, disk full, GPUs busy)
+  before the 5-20 minute start is paid (field note 7).
+- `launch` starts the server in its own session (so a cancelled flow's process-group kill does
+  not reach it, and ours does), streams every log line to a file and a callback, tracks start-up
+  phases, and saves the launch spec (argv, env diff, cwd) next to the log (field note 2) plus a
+  pid file that `reap` can use from another process (Prefect's on_cancellation hook).
+- `ServerProcess.stop` SIGTERMs the whole group, SIGKILLs what is left, and then VERIFIES:
+  no process of the group/session, the port free again, GPU memory back near where it was
+  (field note 1: one GPU kept 76 GB after kill -9).
+"""
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from drafter.config import LifecycleConfig
+from drafter.serving.engines import Engine, LaunchSpec
+from drafter.serving.errors import ServerConfigError, TeardownError
+
+OnLine = Callable[[str], None]
+
+# Environment variable names whose values never go into the saved launch file.
+_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL", re.IGNORECASE)
+
+
+def launch_file(log_path: str | os.PathLike) -> Path:
+    p = Path(log_path)
+    return p.with_name(p.stem + ".launch.json")
+
+
+def pid_file(log_path: str | os.PathLike) -> Path:
+    p = Path(log_path)
+    return p.with_name(p.stem + ".pid.json")
+
+
+def _now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# --------------------------------------------------------------------------------------------
+# /proc helpers: who is still in the server's process group or session
+# --------------------------------------------------------------------------------------------
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (state is [0], pgrp [2], session [3],
+    starttime [19]); None when the process is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2:].split()
+
+
+def _start_ticks(pid: int) -> int | None:
+    st = _proc_stat(pid)
+    return int(st[19]) if st else None
+
+
+def group_members(pgid: int, sid: int | None = None) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid` or session `sid`.
+
+    The session catches a child that moved itself into a new process group; zombies hold no
+    memory or ports, so they do not count as left behind."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        st = _proc_stat(int(entry))
+        if st is None or st[0] in ("Z", "X"):
+            continue
+        if int(st[2]) == pgid or (sid is not None and int(st[3]) == sid):
+            out.append(int(entry))
+    return sorted(out)
+
+
+def _signal_all(pgid: int, members: list[int], sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in members:  # session members that left the group
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _terminate(pgid: int, sid: int | None, grace_s: float, kill_wait_s: float,
+               reap_leader: Callable[[], None] = lambda: None) -> tuple[list[str], list[int]]:
+    """SIGTERM the group, wait `grace_s`, SIGKILL what is left, wait `kill_wait_s`.
+    Returns (signals sent, pids still alive)."""
+    sent: list[str] = []
+
+    def wait(seconds: float) -> list[int]:
+        deadline = time.monotonic() + seconds
+        while True:
+            reap_leader()
+            left = group_members(pgid, sid)
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.05)
+
+    left = group_members(pgid, sid)
+    if not left:
+        return sent, []
+    try:
+        _signal_all(pgid, left, signal.SIGTERM)
+        sent.append("SIGTERM")
+        left = wait(grace_s)
+    finally:
+        # Even when interrupted (a second Ctrl-C) nothing of the server may survive.
+        if left:
+            _signal_all(pgid, group_members(pgid, sid), signal.SIGKILL)
+            sent.append("SIGKILL")
+    if "SIGKILL" in sent:
+        left = wait(kill_wait_s)
+    return sent, left
+
+
+# --------------------------------------------------------------------------------------------
+# Ports and GPUs
+# --------------------------------------------------------------------------------------------
+
+def port_free(host: str, port: int) -> bool:
+    """Can a server bind host:port? SO_REUSEADDR like uvicorn, so TIME_WAIT does not count."""
+    bind_host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((bind_host, port))
+        except OSError as err:
+            if err.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True
+
+
+def _nvidia_smi(*query: str, timeout: float = 20.0) -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        res = subprocess.run([exe, *query, "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def _mib(text: str) -> float | None:
+    text = text.strip().removesuffix("MiB").strip()
+    try:
+        return float(text)
+    except ValueError:  # "[N/A]" on some drivers
+        return None
+
+
+def parse_compute_apps(text: str) -> list[dict[str, Any]]:
+    """Rows of `nvidia-smi --query-compute-apps=pid,used_memory[,gpu_uuid] --format=csv,noheader`."""
+    rows = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 2 or not parts[0].isdigit():
+            continue
+        rows.append({"pid": int(parts[0]), "used_mib": _mib(parts[1]),
+                     "gpu_uuid": parts[2] if len(parts) > 2 else None})
+    return rows
+
+
+def parse_gpu_memory(text: str) -> dict[str, dict[str, Any]]:
+    """`--query-gpu=index,uuid,memory.used` -> {index: {"uuid", "used_mib"}}."""
+    out = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3 and parts[0].isdigit():
+            out[parts[0]] = {"uuid": parts[1], "used_mib": _mib(parts[2])}
+    return out
+
+
+def _visible_gpus(env: Mapping[str, str], gpus: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The GPUs the server will see (CUDA_VISIBLE_DEVICES holds indices or UUIDs)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or visible.strip() == "":
+        return gpus if visible is None else {}
+    wanted = {v.strip() for v in visible.split(",") if v.strip()}
+    return {i: g for i, g in gpus.items() if i in wanted or g["uuid"] in wanted}
+
+
+def gpu_state(env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """Memory per visible GPU and the compute processes on them; None without nvidia-smi."""
+    mem = _nvidia_smi("--query-gpu=index,uuid,memory.used")
+    if mem is None:
+        return None
+    gpus = _visible_gpus(env if env is not None else os.environ, parse_gpu_memory(mem))
+    uuids = {g["uuid"] for g in gpus.values()}
+    apps_text = _nvidia_smi("--query-compute-apps=pid,used_memory,gpu_uuid") or ""
+    apps = [a for a in parse_compute_apps(apps_text) if a["gpu_uuid"] is None or a["gpu_uuid"] in uuids]
+    return {"gpus": gpus, "apps": apps}
+
+
+# --------------------------------------------------------------------------------------------
+# Preflight
+# --------------------------------------------------------------------------------------------
+
+def _looks_local(path: str) -> bool:
+    """A local path rather than a hub id like `org/name`: absolute, ./ or ~, or its parent
+    directory exists here (`runs/target` is local, `meta-llama/Llama-3.1-8B` is not)."""
+    if path.startswith(("/", ".", "~")) or os.path.exists(path):
+        return True
+    parent = os.path.dirname(path)
+    return parent != "" and os.path.isdir(parent)
+
+
+def _python_module_missing(spec: LaunchSpec) -> str | None:
+    """For `python -m pkg.mod ...`: is the module importable by that interpreter (cheap find_spec)?"""
+    argv = spec.argv
+    if len(argv) < 3 or argv[1] != "-m":
+        return None
+    code = ("import importlib.util, sys\n"
+            "try:\n    ok = importlib.util.find_spec(sys.argv[1]) is not None\n"
+            "except Exception:\n    ok = False\nsys.exit(0 if ok else 1)")
+    try:
+        res = subprocess.run([argv[0], "-c", code, argv[2]], env=spec.env, cwd=spec.cwd,
+                             capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"cannot run {argv[0]}: {err}"
+    return None if res.returncode == 0 else f"python module {argv[2]!r} is not installed for {argv[0]}"
+
+
+def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_disk_gb: float = 1.0,
+              check_gpus: bool | None = None) -> list[str]:
+    """Checks that fail in seconds instead of after a 20-minute start. Raises ONE
+    ServerConfigError listing every problem (`.problems`); returns informational notes."""
+    problems: list[str] = []
+    notes: list[str] = []
+
+    if not port_free(spec.host, spec.port):
+        problems.append(f"port {spec.port} on {spec.host} is already in use")
+
+    for what, path in (("model path", spec.model_path), ("draft path", spec.draft_path)):
+        if path and _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+            problems.append(f"{what} does not exist: {path}")
+
+    exe = spec.argv[0] if spec.argv else ""
+    if not exe or shutil.which(exe, path=spec.env.get("PATH")) is None:
+        problems.append(f"executable not found: {exe!r}")
+    else:
+        missing = _python_module_missing(spec)
+        if missing:
+            problems.append(missing)
+
+    log_dir = Path(spec.log_dir or ".")
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        free_gb = shutil.disk_usage(log_dir).free / 2**30
+        if free_gb < min_free_disk_gb:
+            problems.append(f"only {free_gb:.2f} GB free in {log_dir} (need {min_free_disk_gb} GB for logs)")
+    except OSError as err:
+        problems.append(f"log directory {log_dir} is not usable: {err}")
+
+    on_cpu = cfg is not None and cfg.serve.engine == "reference" and cfg.serve.device == "cpu"
+    if check_gpus is None:
+        check_gpus = not on_cpu
+    if check_gpus:
+        state = gpu_state(spec.env)
+        if state is None:
+            notes.append("nvidia-smi not available: GPU occupancy not checked")
+        elif state["apps"]:
+            busy = ", ".join(f"pid {a['pid']} ({a['used_mib']:.0f} MiB)" if a["used_mib"] is not None
+                             else f"pid {a['pid']}" for a in state["apps"])
+            problems.append(f"GPUs are in use by other compute processes: {busy}")
+
+    if problems:
+        raise ServerConfigError("preflight failed: " + "; ".join(problems), engine=spec.engine,
+                                phase="preflight", problems=problems)
+    return notes
+
+
+# --------------------------------------------------------------------------------------------
+# The server process
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class TeardownReport:
+    signals: list[str] = field(default_factory=list)
+    exit_code: int | None = None
+    remaining_pids: list[int] = field(default_factory=list)
+    port_released: bool | None = None
+    gpu_released: bool | None = None     # None: not measurable (no nvidia-smi)
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _secret_free(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: ("<redacted>" if _SECRET.search(k) else v) for k, v in sorted(env.items())}
+
+
+def launch_record(spec: LaunchSpec, base_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The launch as saved with the run: argv, env diff against our own environment, cwd."""
+    base = os.environ if base_env is None else base_env
+    changed = {k: v for k, v in spec.env.items() if base.get(k) != v}
+    removed = sorted(k for k in base if k not in spec.env)
+    return {"engine": spec.engine, "argv": spec.argv, "cwd": spec.cwd,
+            "env": _secret_free(changed), "env_removed": removed,
+            "env_from_config": _secret_free(spec.env_overrides),
+            "base_url": spec.base_url, "health_url": spec.health_url,
+            "served_model_name": spec.served_model_name, "model_path": spec.model_path,
+            "draft_path": spec.draft_path, "python": sys.executable,
+            "hostname": socket.gethostname(), "saved_at": _now_iso()}
+
+
+class ServerProcess:
+    """One running server. Use `with launch(...) as server:` so teardown always happens."""
+
+    def __init__(self, spec: LaunchSpec, engine: Engine, log_path: str | os.PathLike,
+                 on_line: OnLine | None = None, tail_lines: int = 200):
+        self.spec, self.engine, self.on_line = spec, engine, on_line
+        self.log_path = Path(log_path)
+        self.launch_path, self.pid_path = launch_file(self.log_path), pid_file(self.log_path)
+        self.proc: subprocess.Popen | None = None
+        self.pgid: int | None = None
+        self.started_at = 0.0                  # time.monotonic() at start
+        self.phase = "launch"
+        self.phases_seen: list[dict[str, Any]] = []
+        self.last_progress = 0.0
+        self.last_line = ""
+        self.ready_line_seen = False
+        self.fatal_line: str | None = None
+        self.gpu_baseline: dict[str, Any] | None = None
+        self.teardown: TeardownReport | None = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self._lock = threading.Lock()
+        self._eof = threading.Event()
+        self._reader: threading.Thread | None = None
+        self._log = None
+
+    # ---- start ---------------------------------------------------------------------------
+    def start(self) -> "ServerProcess":
+        if self.proc is not None:
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.launch_path.write_text(json.dumps(launch_record(self.spec), indent=2))
+        self.gpu_baseline = gpu_state(self.spec.env)
+        self._log = open(self.log_path, "a", encoding="utf-8", buffering=1)
+        try:
+            # Own session: Prefect's worker kills the run's process group on cancellation, and a
+            # server outside it survives; we kill it ourselves (finally / reap via the pid file).
+            self.proc = subprocess.Popen(
+                self.spec.argv, cwd=self.spec.cwd, env=self.spec.env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as err:
+            self._log.close()
+            raise ServerConfigError(f"cannot start {self.spec.argv[0]!r}: {err}",
+                                    engine=self.spec.engine, phase="launch") from None
+        self.pgid = self.proc.pid  # session leader == group leader
+        self.started_at = self.last_progress = time.monotonic()
+        self._enter("launch")
+        self.pid_path.write_text(json.dumps({
+            "pid": self.proc.pid, "pgid": self.pgid, "sid": self.proc.pid,
+            "start_ticks": _start_ticks(self.proc.pid), "argv": self.spec.argv,
+            "started_at": _now_iso(), "engine": self.spec.engine, "host": self.spec.host,
+            "port": self.spec.port, "log_path": str(self.log_path), "launcher_pid": os.getpid(),
+            "gpu_baseline": self.gpu_baseline, "cuda_visible_devices": self.spec.env.get("CUDA_VISIBLE_DEVICES"),
+        }, indent=2))
+        self._reader = threading.Thread(target=self._read, name=f"{self.spec.engine}-log", daemon=True)
+        self._reader.start()
+        return self
+
+    # ---- log reading -----------------------------------------------------------------------
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        fd, buf = self.proc.stdout.fileno(), b""
+        try:
+            while True:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                # Progress bars redraw with \r: each redraw is progress, so it is a line too.
+                *lines, buf = re.split(rb"\r\n|\r|\n", buf + chunk)
+                for raw in lines:
+                    self._handle(raw.decode("utf-8", "replace"))
+            if buf:
+                self._handle(buf.decode("utf-8", "replace"))
+        except OSError:
+            pass
+        finally:
+            self._eof.set()
+
+    def _handle(self, line: str) -> None:
+        if not line.strip():
+            return
+        phase, ready, fatal, noise = self.engine.classify(line)
+        with self._lock:
+            if self._log is not None and not self._log.closed:
+                self._log.write(line + "\n")
+            self._tail.append(line)
+            if not noise:
+                self.last_progress = time.monotonic()
+                self.last_line = line
+            if phase is not None:
+                self._enter(phase)
+            self.ready_line_seen |= ready
+            if fatal and self.fatal_line is None:
+                self.fatal_line = line
+        if self.on_line is not None:
+            try:
+                self.on_line(line)
+            except Exception:  # a broken callback must not stop the log (and the watchdog)
+                pass
+
+    def _enter(self, phase: str) -> None:
+        now = time.monotonic()
+        if self.phases_seen and self.phases_seen[-1]["phase"] == phase:
+            return
+        self.phase = phase
+        self.last_progress = now
+        self.phases_seen.append({"phase": phase, "at": _now_iso(),
+                                 "t": round(now - self.started_at, 3)})
+
+    # ---- state -------------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def seconds_since_progress(self) -> float:
+        return time.monotonic() - self.last_progress
+
+    def log_tail(self, n: int = 40) -> list[str]:
+        with self._lock:
+            return list(self._tail)[-n:]
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return "\n".join(self.log_tail(10_000))
+
+    def wait_output(self, timeout: float = 2.0) -> bool:
+        """After the process exited: wait until its last lines were read."""
+        return self._eof.wait(timeout)
+
+    def state(self) -> dict[str, Any]:
+        with self._lock:
+            return {"phase": self.phase, "phases": list(self.phases_seen),
+                    "seconds_since_progress": round(self.seconds_since_progress(), 3),
+                    "ready_line_seen": self.ready_line_seen, "fatal_line": self.fatal_line,
+                    "exit_code": self.poll(), "pid": self.pid}
+
+    # ---- teardown ------------------------------------------------------------------------------
+    def stop(self, grace_s: float = 10.0, kill_wait_s: float = 5.0, port_timeout_s: float = 10.0,
+             gpu_timeout_s: float = 60.0, gpu_tolerance_mib: float = 1024.0) -> TeardownReport:
+        """Stop everything the server started and verify it. Idempotent."""
+        if self.teardown is not None:
+            return self.teardown
+        if self.proc is None:
+            self.teardown = TeardownReport()
+            return self.teardown
+        t0 = time.monotonic()
+        report = TeardownReport()
+        try:
+            report.signals, report.remaining_pids = _terminate(
+                self.pgid, self.pgid, grace_s, kill_wait_s, reap_leader=self.proc.poll)
+        finally:
+            try:
+                self.proc.wait(timeout=kill_wait_s)
+            except subprocess.TimeoutExpired:
+                pass
+            report.exit_code = self.proc.poll()
+            # Every writer of the pipe died with the group, so the reader sees EOF. Close the
+            # pipe only then: closing under a blocked reader could hand its fd number to a new file.
+            if self._eof.wait(2.0) and self.proc.stdout is not None:
+                self.proc.stdout.close()
+            with self._lock:
+                if self._log is not None:
+                    self._log.close()
+        if report.remaining_pids:
+            report.problems.append(f"processes still alive after SIGKILL: {report.remaining_pids}")
+        report.port_released = _wait_port(self.spec.host, self.spec.port, port_timeout_s)
+        if not report.port_released:
+            report.problems.append(f"port {self.spec.port} still in use {port_timeout_s:.0f}s after stop")
+        report.gpu_released, gpu_problem = wait_gpu_release(
+            self.gpu_baseline, self.spec.env, gpu_timeout_s, gpu_tolerance_mib)
+        if gpu_problem:
+            report.problems.append(gpu_problem)
+        report.seconds = round(time.monotonic() - t0, 3)
+        if report.ok:
+            self.pid_path.unlink(missing_ok=True)  # kept on failure: reap() can try again
+        self.teardown = report
+        return report
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        report = self.stop()
+        if report.ok:
+            return
+        if exc is None:
+            raise TeardownError(report.problems)
+        exc.add_note("teardown incomplete: " + "; ".join(report.problems))
+
+
+def _wait_port(host: str, port: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if port_free(host, port):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def wait_gpu_release(baseline: dict[str, Any] | None, env: Mapping[str, str], timeout_s: float,
+                     tolerance_mib: float = 1024.0) -> tuple[bool | None, str | None]:
+    """Wait until every visible GPU's used memory is back within `tolerance_mib` of the
+    baseline taken before launch. Memory, not the process list: a killed process can vanish
+    from nvidia-smi while its memory stays held (field note 1). (None, None) if not measurable."""
+    if baseline is None:
+        return None, None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = gpu_state(env)
+        if now is None:
+            return None, None
+        held = {}
+        for index, gpu in now["gpus"].items():
+            before = baseline["gpus"].get(index, {}).get("used_mib")
+            used = gpu["used_mib"]
+            if before is not None and used is not None and used > before + tolerance_mib:
+                held[index] = (used, before)
+        if not held:
+            return True, None
+        if time.monotonic() >= deadline:
+            detail = ", ".join(f"GPU {i}: {u:.0f} MiB used (was {b:.0f} MiB before launch)"
+                               for i, (u, b) in sorted(held.items()))
+            return False, f"GPU memory not released {timeout_s:.0f}s after stop: {detail}"
+        time.sleep(1.0)
+
+
+def launch(spec: LaunchSpec, engine: Engine, log_path: str | os.PathLike,
+           on_line: OnLine | None = None) -> ServerProcess:
+    """Start the server now; use as `with launch(...) as server:`."""
+    return ServerProcess(spec, engine, log_path, on_line).start()
+
+
+def reap(pid_path: str | os.PathLike, grace_s: float = 10.0, kill_wait_s: float = 5.0,
+         port_timeout_s: float = 10.0, gpu_timeout_s: float = 60.0) -> dict[str, Any]:
+    """Kill a server left behind by a cancelled run, from any process (e.g. Prefect's
+    on_cancellation hook, which runs elsewhere). Safe to call twice or on a stale file."""
+    path = Path(pid_path)
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        return {"reaped": False, "reason": f"no usable pid file: {err}"}
+    pgid, sid, pid = info["pgid"], info.get("sid"), info["pid"]
+    ticks = _start_ticks(pid)
+    # The leader's pid can only be reused once its whole group is gone (the kernel does not
+    # hand out a pid still used as a pgid), so a different process there means nothing is left.
+    if ticks is not None and info.get("start_ticks") is not None and ticks != info["start_ticks"]:
+        path.unlink(missing_ok=True)
+        return {"reaped": False, "reason": "server already gone (pid reused)"}
+    if not group_members(pgid, sid):
+        path.unlink(missing_ok=True)
+        return {"reaped": False, "reason": "server already gone"}
+    signals, left = _terminate(pgid, sid, grace_s, kill_wait_s)
+    report = TeardownReport(signals=signals, remaining_pids=left)
+    if left:
+        report.problems.append(f"processes still alive after SIGKILL: {left}")
+    report.port_released = _wait_port(info.get("host", "127.0.0.1"), info["port"], port_timeout_s)
+    if not report.port_released:
+        report.problems.append(f"port {info['port']} still in use")
+    env = dict(os.environ)
+    if info.get("cuda_visible_devices") is not None:
+        env["CUDA_VISIBLE_DEVICES"] = info["cuda_visible_devices"]
+    report.gpu_released, gpu_problem = wait_gpu_release(info.get("gpu_baseline"), env, gpu_timeout_s)
+    if gpu_problem:
+        report.problems.append(gpu_problem)
+    if report.ok:
+        path.unlink(missing_ok=True)
+    return {"reaped": True, **report.to_dict()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m drafter.serving.launcher reap PIDFILE [--grace S]` for shells and hooks."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m drafter.serving.launcher")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("reap", help="kill a server left behind by a cancelled run")
+    r.add_argument("pid_file")
+    r.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    args = parser.parse_args(argv)
+    result = reap(args.pid_file, grace_s=args.grace)
+    print(json.dumps(result, indent=2))
+    return 0 if not result.get("problems") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
