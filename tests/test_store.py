@@ -4,14 +4,12 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-from pathlib import Path
 
 import pytest
 
 from drafter.config import StorageConfig
 from drafter.store import (
     TMP_MARK, FileStore, ObjectNotFound, S3Store, StoreError, atomic_write, backoff_delay, open_store)
-from tests.fixtures.s3 import S3_TEST_BUCKET
 
 MiB = 1024 * 1024
 
