@@ -135,6 +135,19 @@ def test_reference_command_line_with_faults(tmp_path):
         make_engine("sglang").build_launch(cfg, "/drafters/d", tmp_path, faults=["hang:x"])
 
 
+def test_reference_refuses_tensor_parallel(tmp_path):
+    with pytest.raises(ServerConfigError, match="tp_size"):
+        make_engine("reference").build_launch(small_config("reference", tp_size=2), None, tmp_path)
+
+
+def test_phases_are_name_regex_budget_tuples():
+    for name in ("sglang", "vllm", "reference", "command"):
+        phases = make_engine(name).phases
+        assert phases[0].name == "launch" and phases[0].pattern is None
+        for phase_name, pattern, budget in phases[1:]:
+            assert pattern.search is not None and (budget is None or budget > 0)
+
+
 def test_command_engine(tmp_path):
     cfg = small_config("command", command=["my-server", "--port", "{port}", "--draft", "{draft_path}"],
                        health_url="http://127.0.0.1:{}/ping".format(31000), env={"FOO": "1"})

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from drafter.config import parse_config
-from drafter.serving.check import check_server
+from drafter.serving.check import check_server, serve_forever
 from drafter.serving.engines import LaunchSpec, check_speculative_settings, make_engine
 from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.gate import wait_until_ready
@@ -130,7 +130,8 @@ def test_phase_budgets_override_the_stall_timeout(tmp_path):
 
 
 def test_crash_reports_exit_code_and_log_tail(tmp_path):
-    spec = fake_spec(tmp_path, "--crash-in", "load_weights", "--exit-code", "3")
+    # the child outlives the crashed parent, like an orphaned SGLang scheduler process
+    spec = fake_spec(tmp_path, "--crash-in", "load_weights", "--exit-code", "3", "--spawn-child")
     with pytest.raises(ServerCrashed) as info:
         with launch(spec, SGLANG, tmp_path / "server.log") as server:
             gate(server, spec)
@@ -296,7 +297,7 @@ def test_preflight_reports_every_problem(tmp_path):
     spec.argv = ["no-such-server-binary", "--port", "1"]
     with pytest.raises(ServerConfigError, match="executable not found"):
         preflight(spec, check_gpus=False)
-    spec.argv = [sys.executable, "-m", "no_such_module_xyz"]
+    spec.argv = [sys.executable, "-m", "no_such_module_xyz.server"]
     with pytest.raises(ServerConfigError, match="no_such_module_xyz"):
         preflight(spec, check_gpus=False)
 
@@ -392,6 +393,28 @@ def test_check_server_failures(tmp_path, args, status, retryable):
     assert result["seconds"] < 10
 
 
+def test_serve_forever_stops_cleanly_on_sigterm(tmp_path):
+    # Prefect cancels with SIGTERM, whose default action would skip every `finally`
+    seen = {}
+
+    def on_ready(state):
+        seen.update(state)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    result = serve_forever(command_config(tmp_path), on_ready=on_ready, poll_s=0.1)
+    assert seen["status"] == "ready" and result["status"] == "stopped"
+    assert result["teardown"]["problems"] == [] and result["teardown"]["signals"] == ["SIGTERM"]
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert port_free("127.0.0.1", int(result["base_url"].rsplit(":", 1)[1]))
+
+
+def test_serve_forever_raises_when_the_server_dies(tmp_path):
+    with pytest.raises(ServerCrashed) as info:
+        serve_forever(command_config(tmp_path, "--exit-after-ready", "0.5"), poll_s=0.1)
+    assert info.value.exit_code == 7 and info.value.phase == "serving"
+
+
 def test_check_server_config_error_is_not_retryable(tmp_path):
     cfg = command_config(tmp_path)
     with socket.socket() as s:
@@ -434,7 +457,8 @@ def test_reference_server_ready(tmp_path, request):
 
 def test_reference_server_hang_is_stalled(tmp_path, request):
     target = _tiny_target_path(request)
+    # torch/transformers imports are silent: the launch phase gets its own budget
     result = check_server(reference_config(tmp_path, target, stall=2.0), faults=["hang:load_weights"],
-                          poll_s=0.2)
+                          phase_budgets={"launch": 120.0}, poll_s=0.2)
     assert result["status"] == "stalled", result["message"]
     assert result["error"]["phase"] == "load_weights" and result["teardown"]["problems"] == []

@@ -130,11 +130,12 @@ def serve_forever(cfg: LifecycleConfig, draft_path: str | None = None, on_line: 
                 log.info("%s serving at %s (log %s); Ctrl-C to stop", engine.name, spec.base_url, log_path)
                 if on_ready is not None:
                     on_ready(dict(result))
-                while (code := server.poll()) is None:
+                # A scheduler can die while the HTTP parent lives on: a fatal line ends serving too.
+                while (code := server.poll()) is None and server.fatal_line is None:
                     time.sleep(poll_s)
-                raise ServerCrashed(f"{engine.name} exited with code {code} while serving",
-                                    engine=engine.name, phase="serving", exit_code=code,
-                                    log_tail=server.log_tail(40))
+                what = f"exited with code {code}" if code is not None else f"logged {server.fatal_line.strip()!r}"
+                raise ServerCrashed(f"{engine.name} {what} while serving", engine=engine.name,
+                                    phase="serving", exit_code=code, log_tail=server.log_tail(40))
         except KeyboardInterrupt:
             result.update(status="stopped", message="interrupted; server stopped")
         finally:

@@ -16,9 +16,9 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping, NamedTuple, Sequence
 from urllib.parse import urlsplit
 
 import httpx
@@ -29,8 +29,7 @@ from drafter.serving.errors import ServerConfigError
 GenerateStyle = Literal["sglang", "openai"]
 
 
-@dataclass(frozen=True)
-class Phase:
+class Phase(NamedTuple):
     """A start-up phase, entered when a log line matches `pattern`.
 
     `budget_s` is how long the phase may go without log progress before it counts as hung;
@@ -321,6 +320,9 @@ class ReferenceEngine(SGLangEngine):
 
     def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=()):
         s, t = cfg.serve, cfg.target
+        if s.tp_size != 1:
+            raise ServerConfigError(f"the reference engine runs on one device; serve.tp_size={s.tp_size} "
+                                    f"cannot be honoured")
         argv = [sys.executable, "-m", "drafter.serving.reference_server",
                 "--model-path", t.path, "--host", s.host, "--port", str(s.port),
                 "--served-model-name", t.served_name, "--device", s.device, "--dtype", t.dtype]

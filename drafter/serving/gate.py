@@ -109,12 +109,11 @@ def make_client(spec: LaunchSpec, timeout_s: float = 3.0) -> httpx.Client:
 
 
 def _crash(server: ServerProcess, engine: Engine, message: str) -> ServerCrashed:
-    # Collect the traceback printed on the way out: all of it once the process exited,
-    # a moment's worth after a fatal line from a process that is still alive.
-    if server.poll() is not None:
-        server.wait_output(2.0)
-    else:
+    # Collect the rest of the traceback: until EOF, or until the log goes quiet (a live
+    # process after a fatal line, or orphaned children still holding the pipe).
+    if server.poll() is None:
         time.sleep(0.2)
+    server.wait_output(2.0)
     return ServerCrashed(message, engine=engine.name, phase=server.phase, exit_code=server.poll(),
                          seconds=round(time.monotonic() - server.started_at, 3),
                          log_tail=server.log_tail(40))

@@ -34,6 +34,7 @@ from drafter.serving.engines import Engine, LaunchSpec
 from drafter.serving.errors import ServerConfigError, TeardownError
 
 OnLine = Callable[[str], None]
+_MAX_LINE = 1 << 20
 
 # Environment variable names whose values never go into the saved launch file.
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL", re.IGNORECASE)
@@ -235,19 +236,21 @@ def _looks_local(path: str) -> bool:
 
 
 def _python_module_missing(spec: LaunchSpec) -> str | None:
-    """For `python -m pkg.mod ...`: is the module importable by that interpreter (cheap find_spec)?"""
+    """For `python -m pkg.mod ...`: is the package installed for that interpreter?"""
     argv = spec.argv
     if len(argv) < 3 or argv[1] != "-m":
         return None
+    # Only the top-level package: locating it imports nothing (sglang's __init__ is heavy).
+    package = argv[2].split(".")[0]
     code = ("import importlib.util, sys\n"
             "try:\n    ok = importlib.util.find_spec(sys.argv[1]) is not None\n"
             "except Exception:\n    ok = False\nsys.exit(0 if ok else 1)")
     try:
-        res = subprocess.run([argv[0], "-c", code, argv[2]], env=spec.env, cwd=spec.cwd,
+        res = subprocess.run([argv[0], "-c", code, package], env=spec.env, cwd=spec.cwd,
                              capture_output=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"cannot run {argv[0]}: {err}"
-    return None if res.returncode == 0 else f"python module {argv[2]!r} is not installed for {argv[0]}"
+    return None if res.returncode == 0 else f"python package {package!r} is not installed for {argv[0]}"
 
 
 def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_disk_gb: float = 1.0,
@@ -354,6 +357,7 @@ class ServerProcess:
         self.phases_seen: list[dict[str, Any]] = []
         self.last_progress = 0.0
         self.last_line = ""
+        self._last_line_at = 0.0
         self.ready_line_seen = False
         self.fatal_line: str | None = None
         self.gpu_baseline: dict[str, Any] | None = None
@@ -407,6 +411,9 @@ class ServerProcess:
                     break
                 # Progress bars redraw with \r: each redraw is progress, so it is a line too.
                 *lines, buf = re.split(rb"\r\n|\r|\n", buf + chunk)
+                if len(buf) > _MAX_LINE:  # output without newlines must not grow without bound
+                    lines.append(buf)
+                    buf = b""
                 for raw in lines:
                     self._handle(raw.decode("utf-8", "replace"))
             if buf:
@@ -421,6 +428,7 @@ class ServerProcess:
             return
         phase, ready, fatal, noise = self.engine.classify(line)
         with self._lock:
+            self._last_line_at = time.monotonic()
             if self._log is not None and not self._log.closed:
                 self._log.write(line + "\n")
             self._tail.append(line)
@@ -468,9 +476,15 @@ class ServerProcess:
         except OSError:
             return "\n".join(self.log_tail(10_000))
 
-    def wait_output(self, timeout: float = 2.0) -> bool:
-        """After the process exited: wait until its last lines were read."""
-        return self._eof.wait(timeout)
+    def wait_output(self, timeout: float = 2.0, quiet_s: float = 0.3) -> bool:
+        """After the process exited: wait for its last lines. Returns at EOF, or once no line
+        came for `quiet_s` (a surviving child can hold the pipe open), or after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not self._eof.wait(0.05):
+            now = time.monotonic()
+            if now >= deadline or now - self._last_line_at >= quiet_s:
+                return False
+        return True
 
     def state(self) -> dict[str, Any]:
         with self._lock:
