@@ -99,6 +99,23 @@ def serve(config: Path = ConfigOpt,
     serve_forever(cfg, draft_path=draft_path, on_line=on_line)
 
 
+@app.command("outputs")
+def outputs(config: Path = ConfigOpt) -> None:
+    """List every committed stage output in the configured store (stage, fingerprint, size, URI)."""
+    from drafter.outputs import list_outputs
+    from drafter.store import open_store
+
+    cfg = _load(config)
+    store = open_store(cfg.storage)
+    rows = list_outputs(store)
+    typer.echo(f"store: {cfg.storage.root}")
+    if not rows:
+        typer.echo("  (no committed outputs yet)")
+    for row in rows:
+        typer.echo(f"  {row['stage']:<10} {row['fingerprint']}  {row['shards']:>4} shards "
+                   f"{row['bytes'] / 1e6:>10.2f} MB  {row['created_at']}  {row['uri']}")
+
+
 class _Bar:
     """A tqdm bar fed by library progress callbacks `(done, total, *info)`."""
 

@@ -3,20 +3,23 @@
 set -uo pipefail
 source "$(dirname "$0")/prefect-env.sh"
 
+# Live (non-zombie) members of a process group: a zombie is already dead, only unreaped.
+group_alive() { ps -eo pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {found=1} END {exit !found}'; }
+
 stop_group() {
   local name=$1 pidfile="$RUN_DIR/$1.pid"
   [ -f "$pidfile" ] || return 0
   local pid; pid=$(cat "$pidfile")
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null
-    for _ in $(seq 1 30); do kill -0 -- "-$pid" 2>/dev/null || break; sleep 0.5; done
-    if kill -0 -- "-$pid" 2>/dev/null; then
-      echo "$name did not stop within 15 s; sending SIGKILL" >&2
+  if group_alive "$pid"; then
+    kill -TERM -- "-$pid" 2>/dev/null
+    for _ in $(seq 1 60); do group_alive "$pid" || break; sleep 0.5; done
+    if group_alive "$pid"; then
+      echo "$name did not stop within 30 s; sending SIGKILL" >&2
       kill -KILL -- "-$pid" 2>/dev/null
-      sleep 0.5
+      for _ in $(seq 1 20); do group_alive "$pid" || break; sleep 0.25; done
     fi
   fi
-  if kill -0 -- "-$pid" 2>/dev/null; then
+  if group_alive "$pid"; then
     echo "$name: processes of group $pid are still alive" >&2
     return 1
   fi

@@ -37,7 +37,7 @@ echo "work pool $POOL ready"
 if alive "$RUN_DIR/worker.pid"; then
   echo "worker already running (pid $(cat "$RUN_DIR/worker.pid"))"
 else
-  setsid "$PREFECT" worker start --pool "$POOL" --type process >"$RUN_DIR/worker.log" 2>&1 < /dev/null &
+  setsid "$VENV/bin/python" "$ROOT/infra/worker.py" "$POOL" >"$RUN_DIR/worker.log" 2>&1 < /dev/null &
   echo $! > "$RUN_DIR/worker.pid"
   echo "worker started (log: $RUN_DIR/worker.log)"
 fi

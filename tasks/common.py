@@ -34,9 +34,10 @@ class ProgressArtifact:
 
     def __init__(self, key: str, description: str, min_interval_s: float = 2.0):
         self.key = key
+        self.description = description
         self.min_interval_s = min_interval_s
         self._last = 0.0
-        self._id = create_progress_artifact(progress=0.0, key=key, description=description)
+        self._id = None  # created on the first report, so a skipped stage makes no API calls
 
     def __call__(self, done: int, total: int | None = None, *info) -> None:
         now = time.monotonic()
@@ -44,6 +45,8 @@ class ProgressArtifact:
         if not total or (now - self._last < self.min_interval_s and not finished):
             return
         self._last = now
+        if self._id is None:
+            self._id = create_progress_artifact(progress=0.0, key=self.key, description=self.description)
         update_progress_artifact(self._id, progress=min(100.0, 100.0 * done / total))
 
 
