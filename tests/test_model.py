@@ -25,6 +25,14 @@ SGLANG_KEYS = {
     "midlayer.post_attention_layernorm.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads only add barrier waits
+    yield
+    torch.set_num_threads(before)
+
+
 def small_config(**kw) -> Eagle3DraftConfig:
     base = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                 vocab_size=100, draft_vocab_size=40, target_hidden_size=24, aux_layer_ids=[1, 2, 3],

@@ -1,0 +1,155 @@
+"""A Hugging Face causal LM as the speculative-decoding target: logits + EAGLE-3 aux features.
+
+Aux layer ids follow our one convention (drafter.config.LAYER_ID_CONVENTION): id i is the OUTPUT
+of decoder layer i, which is Hugging Face `hidden_states[i + 1]` (hidden_states[0] is the
+embedding output). This is what SGLang captures for the draft config's ids.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drafter.config import LAYER_ID_CONVENTION
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype: str | None) -> torch.dtype:
+    """'auto' = the checkpoint's dtype on GPU; float32 on CPU (half precision is slow there)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r}: expected auto, float32, bfloat16 or float16")
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return DTYPES.get(str(config_dtype or "").removeprefix("torch."), torch.bfloat16)
+
+
+def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"aux layer ids {bad} out of range for a target with {num_layers} decoder layers. "
+            f"Convention {LAYER_ID_CONVENTION!r}: id i = output of decoder layer i (0-based) = HF "
+            f"hidden_states[i + 1], so valid ids are 0..{num_layers - 1}. Ids in the 'input of "
+            "layer i' convention (vLLM speculators, ModelOpt) are one higher.")
+    return ids
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor            # [B, T_kept, vocab] float32
+    aux: torch.Tensor | None        # [B, T, 3 * hidden] concat of the aux layers' outputs
+
+
+class HFTarget:
+    """Causal LM + tokenizer on one device, one dtype; caller owns the KV caches."""
+
+    def __init__(self, model_path: str | Path, device: str = "auto", dtype: str | torch.dtype = "auto",
+                 aux_layer_ids: list[int] | None = None, trust_remote_code: bool = False):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = str(model_path)
+        self.device = resolve_device(device)
+        config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+        text_config = getattr(config, "text_config", None) or config
+        self.dtype = resolve_dtype(dtype, self.device, str(getattr(text_config, "dtype", None)
+                                                          or getattr(text_config, "torch_dtype", None) or ""))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+        # transformers >= 4.56 spells it `dtype`; older releases only know `torch_dtype`.
+        dtype_kw = "dtype" if _transformers_major_minor() >= (4, 56) else "torch_dtype"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, trust_remote_code=trust_remote_code, **{dtype_kw: self.dtype}
+        ).to(self.device).eval()
+        self.config = text_config
+        self.architecture = (getattr(config, "architectures", None) or [type(self.model).__name__])[0]
+        self.num_layers = int(text_config.num_hidden_layers)
+        self.hidden_size = int(text_config.hidden_size)
+        self.vocab_size = int(text_config.vocab_size)
+        self.max_position_embeddings = int(getattr(text_config, "max_position_embeddings", 4096))
+        self.aux_layer_ids = None if aux_layer_ids is None else check_aux_layer_ids(aux_layer_ids, self.num_layers)
+        self.eos_token_ids = self._eos_ids()
+        # transformers 5.x renamed `past_key_values` to `cache`; use whichever this version has.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def _eos_ids(self) -> set[int]:
+        """The ids `generate()` stops on: generation_config first, like transformers."""
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model.config, "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return set()
+        return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+    def set_aux_layer_ids(self, ids: list[int]) -> None:
+        self.aux_layer_ids = check_aux_layer_ids(ids, self.num_layers)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # transformers < 4.56
+            return DynamicCache()
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The target's input embedding (SGLang feeds it to the drafter too)."""
+        return self.model.get_input_embeddings()(token_ids.to(self.device))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache, want_aux: bool = False,
+                last_only: bool = False) -> TargetOutput:
+        """Run input_ids [B, T] after whatever `cache` already holds; the cache grows by T."""
+        input_ids = input_ids.to(self.device)
+        past = cache.get_seq_length()
+        positions = torch.arange(past, past + input_ids.shape[1], device=self.device)[None]
+        out = self.model(input_ids=input_ids, use_cache=True, position_ids=positions.expand(input_ids.shape[0], -1),
+                         output_hidden_states=want_aux, logits_to_keep=1 if last_only else 0,
+                         **{self._cache_kwarg: cache})
+        aux = None
+        if want_aux:
+            if self.aux_layer_ids is None:
+                raise ValueError("aux features requested but no aux layer ids are set")
+            aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layer_ids], dim=-1)
+        return TargetOutput(logits=out.logits.float(), aux=aux)
+
+
+def _transformers_major_minor() -> tuple[int, int]:
+    import transformers
+
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of a transformers cache (rejected drafts out).
+
+    transformers < 5 takes the new length; 5.x takes a negative number of tokens to remove.
+    """
+    current = cache.get_seq_length()
+    if length >= current:
+        return
+    param = next(iter(inspect.signature(cache.crop).parameters))
+    cache.crop(length - current if param == "tokens_to_remove" else length)

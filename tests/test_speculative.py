@@ -1,0 +1,296 @@
+"""EAGLE-3 speculative decoding: lossless greedy, the accept path, cache rollback, sampling."""
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter.model import Eagle3Drafter, draft_config_for_target, init_random_drafter, load_drafter, read_target_config, save_drafter, set_draft_vocab
+from drafter.serving.hf_target import HFTarget
+from drafter.serving.speculative import SamplingParams, SpeculativeEngine, accept_drafts
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    """Tiny models: op dispatch dominates, and intra-op threads only add barrier waits (20x slower
+    on a busy 2-core machine). Restored afterwards for other modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------- crafted models
+# A "successor" target: every layer adds nothing (o_proj = down_proj = 0), so the residual stream
+# is the token embedding E[x], and lm_head row j holds the embeddings of the tokens whose successor
+# is j. Greedy decoding therefore walks succ(): x+1 runs, fixed points, and a run ending in EOS.
+# The matching drafter reads E[x_p] through fc and predicts succ(succ(x_p)) = the token after next,
+# which is exactly what EAGLE-3 must predict at position p. Its later steps repeat the same guess,
+# so on x+1 runs it gets 1 draft accepted per verify, and on fixed points all of them.
+EOS = 4
+FIXED_LOW, EOS_RUN_END = 200, 400
+
+
+def succ_map(vocab: int) -> list[int]:
+    out = []
+    for x in range(vocab):
+        if x < 10:
+            out.append(10 + x)
+        elif x < FIXED_LOW or FIXED_LOW < x < EOS_RUN_END:
+            out.append(x + 1)
+        elif x == EOS_RUN_END:
+            out.append(EOS)
+        else:
+            out.append(x)  # fixed points: 200 and 401..vocab-1
+    return out
+
+
+def _embeddings(vocab: int, hidden: int) -> torch.Tensor:
+    e = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0))
+    return e / e.norm(dim=1, keepdim=True) * hidden ** 0.5  # RMS 1: the final norm leaves E[x] as is
+
+
+def _rows_predicting(mapping: list[int], emb: torch.Tensor, ids) -> torch.Tensor:
+    """Row for id j = sum of E[x] over the x that `mapping` sends to j."""
+    rows = torch.zeros(len(ids), emb.shape[1])
+    index = {j: r for r, j in enumerate(ids)}
+    for x, j in enumerate(mapping):
+        if j in index:
+            rows[index[j]] += emb[x]
+    return rows
+
+
+def build_successor_target(tiny_target: Path, out_dir: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (out_dir / "model.safetensors").exists():
+        return out_dir
+    shutil.copytree(tiny_target, out_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = LlamaConfig.from_pretrained(tiny_target)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    vocab, hidden = config.vocab_size, config.hidden_size
+    emb = _embeddings(vocab, hidden)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(emb)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.copy_(_rows_predicting(succ_map(vocab), emb, range(vocab)))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_successor_drafter(target_dir: Path, out_dir: Path) -> Path:
+    """Draft vocab {EOS} + [150, 405): a non-trivial d2t; fc reads aux[0]; midlayer adds nothing."""
+    if (out_dir / "model.safetensors").exists():
+        return out_dir
+    target = read_target_config(target_dir)
+    vocab, hidden = target["vocab_size"], target["hidden_size"]
+    draft_ids = [EOS] + list(range(150, 405))
+    config = draft_config_for_target(target, aux_layer_ids=[0, 1, 2], draft_vocab_size=len(draft_ids))
+    torch.manual_seed(1)
+    model = Eagle3Drafter(config)
+    succ = succ_map(vocab)
+    emb = _embeddings(vocab, hidden)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * 0.1)
+        model.fc.weight.zero_()
+        model.fc.weight[:, :hidden] = torch.eye(hidden)
+        model.midlayer.self_attn.o_proj.weight.zero_()
+        model.midlayer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.copy_(_rows_predicting([succ[succ[x]] for x in range(vocab)], emb, draft_ids))
+        set_draft_vocab(model, torch.tensor(draft_ids))
+    return save_drafter(model, out_dir)
+
+
+def build_random_target(tiny_target: Path, out_dir: Path, seed: int = 0) -> Path:
+    """The tiny target's shapes with large random weights: varied output, no near-tied logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (out_dir / "model.safetensors").exists():
+        return out_dir
+    shutil.copytree(tiny_target, out_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(tiny_target))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0, 0.15)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def successor_pair(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("successor")
+    target = build_successor_target(tiny_target, root / "target")
+    return target, build_successor_drafter(target, root / "draft")
+
+
+@pytest.fixture(scope="session")
+def random_pair(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("random")
+    target = build_random_target(tiny_target, root / "target")
+    return target, init_random_drafter(target, root / "draft", draft_vocab_size=256, seed=7)
+
+
+def _engine(pair, steps: int) -> SpeculativeEngine:
+    target_dir, draft_dir = pair
+    return SpeculativeEngine(HFTarget(target_dir, device="cpu"), load_drafter(draft_dir), steps)
+
+
+def _reference(engine: SpeculativeEngine, prompt: list[int], max_new: int) -> list[int]:
+    """The target's own greedy decoding (transformers generate)."""
+    ids = torch.tensor([prompt])
+    out = engine.target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                       do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+# ----------------------------------------------------------------------------- lossless
+PROMPTS = [[0, 17, 150], [0, 391], [0, 33, 7, 190], [0, 402, 403], [0, 99] * 6]
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_lossless_with_crafted_drafter_and_accept_path(successor_pair, steps):
+    engine = _engine(successor_pair, steps)
+    results = []
+    for prompt in PROMPTS:
+        res = engine.generate(prompt, SamplingParams(max_new_tokens=25))
+        assert res.output_ids == _reference(engine, prompt, 25), prompt
+        assert res.completion_tokens / res.spec_verify_ct == res.accept_length
+        results.append(res)
+    run, eos_run, _, fixed, _ = results
+    # x+1 run: the first draft is always right, later ones never (1 accepted + bonus per verify)
+    assert run.accepted_drafts == run.spec_verify_ct and run.accept_length > 1.8
+    # fixed point: every draft accepted (the a == S path)
+    assert fixed.accepted_drafts == fixed.proposed_drafts and fixed.accept_length > steps
+    # 392 .. 400 then EOS: stops on EOS, EOS included like generate()
+    assert eos_run.output_ids[-1] == EOS and eos_run.finish_reason == "stop" and eos_run.matched_stop == EOS
+    total = sum(r.completion_tokens for r in results) / sum(r.spec_verify_ct for r in results)
+    assert total > 1.5
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_lossless_with_random_drafter(random_pair, steps):
+    engine = _engine(random_pair, steps)
+    gen = torch.Generator().manual_seed(steps)
+    for n in (1, 5, 23):
+        prompt = torch.randint(0, 512, (n,), generator=gen).tolist()
+        res = engine.generate(prompt, SamplingParams(max_new_tokens=30))
+        assert res.output_ids == _reference(engine, prompt, 30), prompt
+        assert res.speculative and res.spec_verify_ct >= 1
+
+
+def test_lossless_on_the_trained_tiny_target(tiny_target, tmp_path):
+    engine = _engine((tiny_target, init_random_drafter(tiny_target, tmp_path / "d", seed=2)), 3)
+    tok = engine.target.tokenizer
+    for question in ("Hi", "Write a poem about the sea"):
+        text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                       add_generation_prompt=True)
+        prompt = tok(text, add_special_tokens=False).input_ids
+        assert engine.generate(prompt, SamplingParams(max_new_tokens=20)).output_ids == _reference(engine, prompt, 20)
+
+
+def test_caches_hold_exactly_the_committed_tokens(random_pair):
+    """Each iteration starts with both caches = committed - 1 positions, computed from target features."""
+    engine = _engine(random_pair, 3)
+    drafter, target = engine.drafter, engine.target
+    checked = []
+
+    def hook(committed, tcache, dcache):
+        assert tcache.get_seq_length() == len(dcache) == len(committed) - 1
+        checked.append(list(committed))
+        if len(checked) % 4:
+            return
+        # Recompute from scratch: target features at 0..n-2, drafter input tokens at 1..n-1.
+        with torch.no_grad():
+            full = target.forward(torch.tensor([committed[:-1]]), target.new_cache(), want_aux=True)
+            from drafter.model import DraftKVCache
+            fresh = DraftKVCache()
+            drafter(target.embed(torch.tensor([committed[1:]])), full.aux, cache=fresh)
+        assert torch.allclose(dcache.k, fresh.k, atol=1e-4) and torch.allclose(dcache.v, fresh.v, atol=1e-4)
+
+    engine.generate([0, 5, 9, 200, 17], SamplingParams(max_new_tokens=40), debug_hook=hook)
+    assert len(checked) >= 8
+
+
+def test_stops_on_stop_ids_stop_fn_and_length(successor_pair):
+    engine = _engine(successor_pair, 3)
+    res = engine.generate([0, 150], SamplingParams(max_new_tokens=50, stop_token_ids=[157]))
+    assert res.output_ids == list(range(151, 158)) and res.finish_reason == "stop" and res.matched_stop == 157
+    res = engine.generate([0, 150], SamplingParams(max_new_tokens=50), stop_fn=lambda ids: 3 if 155 in ids else None)
+    assert res.output_ids == [151, 152, 153] and res.finish_reason == "stop"
+    res = engine.generate([0, 150], SamplingParams(max_new_tokens=6))
+    assert res.output_ids == list(range(151, 157)) and res.finish_reason == "length"
+    res = engine.generate([0, 398], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert res.output_ids[:3] == [399, 400, EOS] and len(res.output_ids) == 10
+    one = engine.generate([0, 150], SamplingParams(max_new_tokens=1))
+    assert one.output_ids == [151] and one.spec_verify_ct == 0 and one.accept_length is None
+
+
+def test_plain_decoding_without_drafter(random_pair):
+    spec = _engine(random_pair, 2)
+    plain = SpeculativeEngine(spec.target)
+    prompt = [0, 1, 2, 3]
+    res = plain.generate(prompt, SamplingParams(max_new_tokens=20))
+    assert not res.speculative and res.spec_verify_ct == 0
+    assert res.output_ids == _reference(spec, prompt, 20)
+
+
+def test_engine_is_reentrant(random_pair):
+    """Caches are per request, so even unserialised threads give the sequential answers."""
+    engine = _engine(random_pair, 3)
+    prompts = [[0, 11 * i + 3, 7] for i in range(4)]
+    expected = [engine.generate(p, SamplingParams(max_new_tokens=20)).output_ids for p in prompts]
+    got = [None] * 4
+
+    def run(i):
+        got[i] = engine.generate(prompts[i], SamplingParams(max_new_tokens=20)).output_ids
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == expected
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """First emitted token ~ p whatever q is (rejection sampling over the draft distribution)."""
+    p_logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    q = torch.tensor([0.05, 0.6, 0.3, 0.05, 0.0])  # a poor draft: token 4 not even in the draft vocab
+    params = SamplingParams(temperature=1.0)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(5)
+    n = 4000
+    for _ in range(n):
+        d = int(torch.multinomial(q, 1, generator=gen))
+        accepted, bonus = accept_drafts(p_logits, [d], [q], params, gen)
+        counts[d if accepted else bonus] += 1
+    assert torch.allclose(counts / n, torch.softmax(p_logits[0], -1), atol=0.03)
+
+
+def test_sampling_generation_is_speculative_and_seeded(successor_pair):
+    engine = _engine(successor_pair, 3)
+    params = dict(max_new_tokens=15, temperature=0.7, seed=123)
+    a = engine.generate([0, 150], SamplingParams(**params))
+    b = engine.generate([0, 150], SamplingParams(**params))
+    assert a.output_ids == b.output_ids and a.speculative and a.spec_verify_ct >= 1
+    assert len(a.output_ids) == 15
+
+
+def test_engine_checks_drafter_against_target(random_pair, tiny_target, tmp_path):
+    target = HFTarget(random_pair[0], device="cpu")
+    with pytest.raises(ValueError, match="out of range.*output-of-layer-0-based.*hidden_states\\[i \\+ 1\\]"):
+        target.set_aux_layer_ids([1, 2, 4])
+    other = init_random_drafter(tiny_target, tmp_path / "d", aux_layer_ids=[0, 1, 3])
+    engine = SpeculativeEngine(target, load_drafter(other), 2)
+    assert target.aux_layer_ids == [0, 1, 3]
+    assert engine.generate([0, 1], SamplingParams(max_new_tokens=3)).completion_tokens == 3
