@@ -235,22 +235,31 @@ def _looks_local(path: str) -> bool:
     return parent != "" and os.path.isdir(parent)
 
 
+# Locates `pkg.sub.mod` without importing anything (sglang's __init__ alone takes seconds):
+# the top level through the normal finders (editable installs use their own), the rest by path.
+_FIND_MODULE = """
+import importlib.machinery, importlib.util, sys
+top, *subs = sys.argv[1].split(".")
+spec = importlib.util.find_spec(top)
+for name in subs:
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit(1)
+    spec = importlib.machinery.PathFinder.find_spec(name, list(spec.submodule_search_locations))
+sys.exit(0 if spec is not None else 1)
+"""
+
+
 def _python_module_missing(spec: LaunchSpec) -> str | None:
-    """For `python -m pkg.mod ...`: is the package installed for that interpreter?"""
+    """For `python -m pkg.mod ...`: can that interpreter find the module?"""
     argv = spec.argv
     if len(argv) < 3 or argv[1] != "-m":
         return None
-    # Only the top-level package: locating it imports nothing (sglang's __init__ is heavy).
-    package = argv[2].split(".")[0]
-    code = ("import importlib.util, sys\n"
-            "try:\n    ok = importlib.util.find_spec(sys.argv[1]) is not None\n"
-            "except Exception:\n    ok = False\nsys.exit(0 if ok else 1)")
     try:
-        res = subprocess.run([argv[0], "-c", code, package], env=spec.env, cwd=spec.cwd,
+        res = subprocess.run([argv[0], "-c", _FIND_MODULE, argv[2]], env=spec.env, cwd=spec.cwd,
                              capture_output=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"cannot run {argv[0]}: {err}"
-    return None if res.returncode == 0 else f"python package {package!r} is not installed for {argv[0]}"
+    return None if res.returncode == 0 else f"python module {argv[2]!r} not found for {argv[0]}"
 
 
 def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_disk_gb: float = 1.0,
