@@ -1,0 +1,88 @@
+"""End to end through a real Prefect server and process worker, as `make demo` does it.
+
+infra/prefect-up.sh starts the server (SQLite in a temp PREFECT_HOME) and our worker, deploys
+deployments/prefect.yaml, and `prefect deployment run drafter-lifecycle/full --watch` runs the flow.
+A second run must find every stage complete and skip its work.
+"""
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def prefect_env(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_API_PORT=str(free_port()),
+               PREFECT_UI_ENABLED="false")
+    up = subprocess.run([str(ROOT / "infra" / "prefect-up.sh")], env=env, capture_output=True,
+                        text=True, timeout=240)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        env["PREFECT_API_URL"] = f"http://127.0.0.1:{env['PREFECT_SERVER_API_PORT']}/api"
+        yield env
+    finally:
+        down = subprocess.run([str(ROOT / "infra" / "prefect-down.sh")], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+        for name in ("server", "worker"):
+            assert not (home / "run" / f"{name}.pid").exists()
+
+
+def run_deployment(env, profile: Path) -> str:
+    prefect = str(ROOT / ".venv" / "bin" / "prefect") if (ROOT / ".venv").exists() else "prefect"
+    proc = subprocess.run([prefect, "deployment", "run", "drafter-lifecycle/full",
+                           "--param", f"profile={profile}", "--watch", "--watch-timeout", "240"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def run_logs(env, home: Path) -> str:
+    """All log lines the worker's flow runs wrote."""
+    return (Path(env["PREFECT_HOME"]) / "run" / "worker.log").read_text()
+
+
+def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp_path):
+    corpus = tmp_path / "prompts.jsonl"
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Question number {i}?"}]}
+            for i in range(40)]
+    corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    store = tmp_path / "store"
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(yaml.safe_dump({
+        "name": "e2e",
+        "target": {"path": str(tiny_target)},
+        "data": {"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.1},
+        "train": {"draft_vocab_size": 64},
+        "dump": {"aux_layer_ids": [0, 1, 2]},
+        "storage": {"root": f"file://{store}"},
+    }))
+
+    first = run_deployment(prefect_env, profile)
+    assert "Completed" in first
+    manifests = list(store.glob("prepare/*/_SUCCESS.json"))
+    assert len(manifests) == 1
+    meta = json.loads(manifests[0].read_text())["meta"]
+    assert meta["train"] + meta["eval"] == 40
+    before = manifests[0].stat().st_mtime_ns
+
+    run_deployment(prefect_env, profile)
+    assert manifests[0].stat().st_mtime_ns == before  # nothing rewritten
+    logs = run_logs(prefect_env, store)
+    assert logs.count("prepare: wrote") == 1
+    assert "prepare: skipped, output already complete" in logs
