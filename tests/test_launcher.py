@@ -443,6 +443,7 @@ def _tiny_target_path(request) -> str:
 def reference_config(tmp_path, target: str, stall: float):
     return parse_config({
         "target": {"path": target, "name": "tiny"},
+        "dump": {"aux_layer_ids": [0, 1, 2]}, "train": {"draft_vocab_size": 256},  # a 4-layer, 512-token target
         "serve": {"engine": "reference", "device": "cpu", "port": free_port(),
                   "log_dir": str(tmp_path / "logs"), "stall_timeout_s": stall, "startup_timeout_s": 120}})
 
@@ -462,3 +463,20 @@ def test_reference_server_hang_is_stalled(tmp_path, request):
                           phase_budgets={"launch": 120.0}, poll_s=0.2)
     assert result["status"] == "stalled", result["message"]
     assert result["error"]["phase"] == "load_weights" and result["teardown"]["problems"] == []
+
+
+def test_reference_server_speculative_settings_read_back(tmp_path, request):
+    target = _tiny_target_path(request)
+    from drafter.model import init_random_drafter
+
+    draft = str(init_random_drafter(target, tmp_path / "draft", draft_vocab_size=128, seed=3))
+    cfg = reference_config(tmp_path, target, stall=60)
+    cfg.serve.speculative = {"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3}
+    result = check_server(cfg, draft_path=draft, poll_s=0.2)
+    assert result["status"] == "ready", (result["message"], result.get("log_tail"))
+    settings = result["settings"]
+    assert (settings["algorithm"], settings["num_steps"], settings["eagle_topk"], settings["num_draft_tokens"]) == (
+        "EAGLE3", 2, 1, 3)
+    assert result["settings_mismatch"] == []
+    launch_record = json.loads(Path(result["launch_path"]).read_text())
+    assert launch_record["argv"][launch_record["argv"].index("--speculative-draft-model-path") + 1] == draft
