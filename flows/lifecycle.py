@@ -7,10 +7,11 @@ from prefect import flow
 
 from drafter.config import LifecycleConfig, load_config
 from tasks.prepare import prepare_task
+from tasks.serve import serve_task
 from tasks.target import ensure_target_task
 
 # Only stages that exist are offered (the UI shows this as a multi-select).
-Stage = Literal["prepare"]
+Stage = Literal["prepare", "serve"]
 ALL_STAGES: list[str] = list(get_args(Stage))
 
 
@@ -19,7 +20,13 @@ def prepare_flow(cfg: LifecycleConfig) -> dict:
     return prepare_task(cfg)
 
 
-STAGE_FLOWS = {"prepare": prepare_flow}
+@flow(name="serve", log_prints=True)
+def serve_flow(cfg: LifecycleConfig) -> dict:
+    """Start, gate and tear down the configured server (the drafter comes from serve.draft_path)."""
+    return serve_task(cfg, cfg.serve.draft_path)
+
+
+STAGE_FLOWS = {"prepare": prepare_flow, "serve": serve_flow}
 
 
 @flow(name="drafter-lifecycle", log_prints=True)

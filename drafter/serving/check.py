@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from drafter.config import LifecycleConfig
 from drafter.serving.engines import check_speculative_settings, make_engine
-from drafter.serving.errors import ServerCrashed, ServerStartError, is_retryable
+from drafter.serving.errors import ServerConfigError, ServerCrashed, ServerStartError, is_retryable
 from drafter.serving.gate import wait_until_ready
 from drafter.serving.launcher import OnLine, ServerProcess, launch_file, preflight
 
@@ -46,17 +46,21 @@ def _result(engine: str, log_path: Path) -> dict[str, Any]:
 def check_server(cfg: LifecycleConfig, draft_path: str | None = None, faults: Sequence[str] = (),
                  on_line: OnLine | None = None, *, log_dir: str | os.PathLike | None = None,
                  phase_budgets: Mapping[str, float] | None = None, poll_s: float = 0.5,
-                 grace_s: float = 10.0, gpu_timeout_s: float = 60.0) -> dict[str, Any]:
+                 grace_s: float = 10.0, gpu_timeout_s: float = 60.0,
+                 raise_on_failure: bool = False) -> dict[str, Any]:
     """Start the configured server, wait until it really serves, read back the speculative
     settings it uses, and stop it. Returns
     {engine, status: ready|crashed|stalled|health_timeout|config_error, seconds, phases,
-     settings, settings_mismatch, message, log_path, ...}."""
+     settings, settings_mismatch, message, log_path, ...}.
+    With `raise_on_failure`, a failed start re-raises its typed error after teardown, and
+    settings the server rewrote raise ServerConfigError (the pipeline must not go on with them)."""
     engine = make_engine(cfg.serve.engine)
     draft = draft_path if draft_path is not None else cfg.serve.draft_path
     log_path = new_log_path(log_dir or cfg.serve.log_dir, engine.name)
     result = _result(engine.name, log_path)
     t0 = time.monotonic()
     server: ServerProcess | None = None
+    failure: ServerStartError | None = None
     try:
         spec = engine.build_launch(cfg, draft, log_path.parent, faults=faults)
         result["base_url"] = spec.base_url
@@ -70,6 +74,7 @@ def check_server(cfg: LifecycleConfig, draft_path: str | None = None, faults: Se
                       message=f"{engine.name} ready in {report.seconds_to_ready:.1f}s at {spec.base_url}")
         result["notes"] += report.notes
     except ServerStartError as err:
+        failure = err
         result.update(status=err.status, message=err.message, retryable=is_retryable(err),
                       log_tail=err.log_tail, error=err.to_dict())
     finally:
@@ -80,6 +85,12 @@ def check_server(cfg: LifecycleConfig, draft_path: str | None = None, faults: Se
             if not teardown.ok:
                 result["message"] += " | teardown incomplete: " + "; ".join(teardown.problems)
         result["seconds"] = round(time.monotonic() - t0, 3)
+    if raise_on_failure:
+        if failure is not None:
+            raise failure
+        if result["settings_mismatch"]:
+            raise ServerConfigError("the server does not use the requested speculative settings: "
+                                    + "; ".join(result["settings_mismatch"]), engine=engine.name)
     return result
 
 

@@ -1,0 +1,36 @@
+"""The serve stage: start the configured engine, gate it on a real generation, read back the
+speculative settings it actually uses, tear it down. Retried only for crashed / stalled /
+health-timeout starts; configuration errors fail at once."""
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.tasks import exponential_backoff
+
+from drafter.config import LifecycleConfig
+from drafter.serving.check import check_server
+from drafter.serving.errors import is_retryable
+from tasks.common import failure_of, log
+
+
+def retry_server_start(task, task_run, state) -> bool:
+    exc = failure_of(state)
+    return exc is not None and is_retryable(exc)
+
+
+@task(name="serve-check", retries=2, retry_delay_seconds=exponential_backoff(15), retry_jitter_factor=0.5,
+      retry_condition_fn=retry_server_start)
+def serve_task(cfg: LifecycleConfig, draft_path: str | None = None) -> dict:
+    logger = log()
+    # Server output never reaches the UI by itself: stream every line into the run log.
+    # check_server tears the server down in its own `finally`, also on cancellation (SIGTERM).
+    report = check_server(cfg, draft_path=draft_path, on_line=lambda line: logger.info("[server] %s", line),
+                          raise_on_failure=True)
+    logger.info("%s", report["message"])
+    create_markdown_artifact(key="serve-report", description="serve stage", markdown="\n".join([
+        f"### {report['engine']}: {report['status']} in {report.get('seconds_to_ready', 0):.1f}s",
+        f"- base url: {report['base_url']}", f"- log: {report['log_path']}",
+        f"- launch environment: {report['launch_path']}",
+        f"- settings read back: `{report['settings']}`",
+        f"- phases: {', '.join(str(p) for p in report['phases'])}"]))
+    return report
