@@ -5,6 +5,7 @@ deployments/prefect.yaml, and `prefect deployment run drafter-lifecycle/full --w
 A second run must find every stage complete and skip its work.
 """
 import json
+import re
 import os
 import socket
 import subprocess
@@ -70,6 +71,8 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
         "data": {"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.1},
         "train": {"draft_vocab_size": 64},
         "dump": {"aux_layer_ids": [0, 1, 2]},
+        "serve": {"engine": "reference", "device": "cpu", "port": free_port(), "log_dir": str(tmp_path / "logs"),
+                  "startup_timeout_s": 180, "stall_timeout_s": 90},
         "storage": {"root": f"file://{store}"},
     }))
 
@@ -86,3 +89,7 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
     logs = run_logs(prefect_env, store)
     assert logs.count("prepare: wrote") == 1
     assert "prepare: skipped, output already complete" in logs
+    # the serve stage started the reference engine, gated it on a generation, and tore it down
+    assert logs.count("reference ready in") == 2
+    assert re.search(r"\[server\] .*The server is fired up and ready to roll!", logs)
+    assert len(list((tmp_path / "logs").glob("reference-*.launch.json"))) == 2
