@@ -330,6 +330,22 @@ def test_crash_logs_a_traceback_and_exits_1(servers, name, after):
     assert "RuntimeError: injected fault crash:" in log and "ready to roll" not in log
 
 
+def test_unloadable_model_says_initialization_failed(tmp_path, capsys):
+    """In-process (a new interpreter costs seconds): main() returns 1 with SGLang's fatal lines."""
+    from drafter.serving import reference_server
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = reference_server.main(["--model-path", str(tmp_path / "no_such_model"), "--device", "cpu",
+                                      "--port", str(free_port())])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "Scheduler hit an exception" in err and "Initialization failed." in err and "no_such_model" in err
+
+
 def test_never_healthy_serves_http_but_stays_503_silently(servers):
     srv = servers["never_healthy"]
     up = srv.wait_line("Uvicorn running on")

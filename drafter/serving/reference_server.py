@@ -607,7 +607,7 @@ def warmup(state: ServerState, server) -> None:
 def _setup_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)  # flushes every record
     handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%Y-%m-%d %H:%M:%S"))
-    log.addHandler(handler)
+    log.handlers[:] = [handler]  # idempotent: main() may run more than once in a process (tests)
     log.setLevel(level.upper())
     log.propagate = False
 
@@ -631,16 +631,22 @@ def main(argv: list[str] | None = None) -> int:
 
     log.info(f"server_args={vars(args) | {'faults': args.fault}}")
     try:
-        engine = load_engine(args)
+        return _serve(args, server_ref)
     except SystemExit:
         raise
-    except Exception:  # noqa: BLE001 - bad model dir, bad drafter: say so in SGLang's words
+    except BaseException:  # noqa: BLE001 - say it in SGLang's words so a watchdog sees it at once
         log.error(f"Scheduler hit an exception: {traceback.format_exc()}")
         log.error("Initialization failed.")
         return 1
-    state = ServerState(args, engine, args.served_model_name or args.model_path)
 
+
+def _serve(args: argparse.Namespace, server_ref: dict[str, Any]) -> int:
+    # The web stack first: a missing dependency must fail in a second, not after a long load.
+    import fastapi  # noqa: F401
     import uvicorn
+
+    engine = load_engine(args)
+    state = ServerState(args, engine, args.served_model_name or args.model_path)
 
     class Server(uvicorn.Server):
         def capture_signals(self):  # our SIGTERM handler stays in charge
