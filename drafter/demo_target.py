@@ -214,6 +214,8 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
         "train_conversations": len(train_convs),
         "eval_conversations": len(eval_convs),
         "steps": step,
+        # A run cut short by the wall-clock cap is not reproducible: say so instead of hiding it.
+        "stopped_by": "max_steps" if cfg.max_steps is not None and step >= cfg.max_steps else "train_seconds",
         "tokens_seen": step * cfg.batch_size * cfg.seq_len,
         "train_loss_first": losses[0] if losses else None,
         "train_loss": sum(tail) / len(tail),
