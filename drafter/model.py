@@ -400,6 +400,19 @@ class Eagle3Drafter(nn.Module):
         return self.compute_logits(h), h
 
 
+def ttt_attention_mask(seq_len: int, step: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Mask for training-time-test step `step` (0-based) over a cache of (step + 1) * seq_len keys.
+
+    Step 0 is the ordinary causal pass over target features. At step k every row t also sees its
+    own unrolled keys from steps 1..k (a diagonal per step): exactly the keys a serving draft
+    step k from position t sees (the prefix 0..t plus its own drafts). Call the drafter with
+    positions = arange(seq_len) + step and the same DraftKVCache across steps.
+    """
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(seq_len, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:

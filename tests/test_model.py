@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from drafter.config import LAYER_ID_CONVENTION
 from drafter.model import (
     EXPECTED_KEYS, DraftKVCache, DrafterCheckpointError, Eagle3DraftConfig, Eagle3Drafter, apply_rope,
-    init_random_drafter, load_drafter, rope_inv_freq, save_drafter)
+    init_random_drafter, load_drafter, rope_inv_freq, save_drafter, ttt_attention_mask)
 
 # Field names SGLang's LlamaForCausalLMEagle3 / transformers' LlamaConfig read (contract section 1).
 SGLANG_FIELDS = {
@@ -193,6 +193,27 @@ def test_midlayer_math_follows_sglang():
         assert torch.equal(model.project(h), h)
         with pytest.raises(ValueError, match="hidden width 50"):
             model.project(torch.randn(1, 1, 50))
+
+
+def test_training_unroll_matches_serving_draft_steps():
+    """The same module trains with a TTT unroll: row t at step k == serving draft step k from t."""
+    model = _random_drafter(seed=2)
+    t_len, steps = 6, 3
+    embeds = torch.randn(1, t_len + steps, 32)    # embedding of the token at p + 1 (+ later tokens)
+    aux = torch.randn(1, t_len, 72)
+    with torch.no_grad():
+        cache, hidden, unrolled = DraftKVCache(), aux, []
+        for k in range(steps):
+            logits, hidden = model(embeds[:, k:k + t_len], hidden, torch.arange(t_len)[None] + k, cache,
+                                   ttt_attention_mask(t_len, k))
+            unrolled.append(logits)
+        for t in range(t_len):                      # serving: prefix 0..t, then own draft steps
+            cache = DraftKVCache()
+            logits, h = model(embeds[:, :t + 1], aux[:, :t + 1], cache=cache)
+            logits, h = logits[:, -1:], h[:, -1:]
+            for k in range(steps):
+                assert torch.allclose(logits[0, 0], unrolled[k][0, t], atol=1e-5), (t, k)
+                logits, h = model(embeds[:, t + k + 1:t + k + 2], h, cache=cache)
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

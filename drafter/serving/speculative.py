@@ -21,7 +21,7 @@ position is ready to produce d_1.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -180,8 +180,8 @@ class SpeculativeEngine:
         """Generate for one prompt. `debug_hook(committed, target_cache, draft_cache)` is called at
         the start of every speculative iteration (tests check the cache invariant with it)."""
         self._check_prompt(prompt)
-        params.max_new_tokens = max(1, min(params.max_new_tokens,
-                                           self.target.max_position_embeddings - len(prompt)))
+        params = replace(params, max_new_tokens=max(1, min(params.max_new_tokens,
+                                                           self.target.max_position_embeddings - len(prompt))))
         out = _Output(params, self.target.eos_token_ids, stop_fn)
         gen = self._generator(params)
         result = GenerationResult(output_ids=out.ids, prompt_tokens=len(prompt), finish_reason="")
