@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.model import Eagle3Drafter, draft_config_for_target, init_random_drafter, load_drafter, read_target_config, save_drafter, set_draft_vocab
+from drafter.model import (
+    DraftKVCache, Eagle3Drafter, draft_config_for_target, init_random_drafter, load_drafter, read_target_config,
+    save_drafter, set_draft_vocab)
 from drafter.serving.hf_target import HFTarget
 from drafter.serving.speculative import SamplingParams, SpeculativeEngine, accept_drafts
 
@@ -213,7 +215,6 @@ def test_caches_hold_exactly_the_committed_tokens(random_pair):
         # Recompute from scratch: target features at 0..n-2, drafter input tokens at 1..n-1.
         with torch.no_grad():
             full = target.forward(torch.tensor([committed[:-1]]), target.new_cache(), want_aux=True)
-            from drafter.model import DraftKVCache
             fresh = DraftKVCache()
             drafter(target.embed(torch.tensor([committed[1:]])), full.aux, cache=fresh)
         assert torch.allclose(dcache.k, fresh.k, atol=1e-4) and torch.allclose(dcache.v, fresh.v, atol=1e-4)
