@@ -23,7 +23,7 @@ LAYER_ID_CONVENTION = "output-of-layer-0-based"
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """SpecForge/SGLang default: [1, N//2 - 1, N - 4], clamped for very shallow targets."""
     ids = [1, num_layers // 2 - 1, num_layers - 4]
-    return [min(max(i, 0), num_layers - 1) for i in ids]
+    return [min(max(i, 0), max(num_layers - 2, 0)) for i in ids]
 
 
 class Strict(BaseModel):
@@ -146,6 +146,30 @@ class DatagenConfig(Strict):
     request_timeout_s: float = Field(300.0, gt=0)
     max_retries: int = Field(4, ge=0)
     shard_size: int = Field(256, ge=1, description="conversations per committed shard")
+    max_consecutive_failures: int = Field(
+        10, ge=1, description="a server failing this many attempts in a row (5xx, 429, timeouts, refused "
+                              "connections) counts as down: the stage stops, keeping its finished shards")
+    backoff_base_s: float = Field(1.0, gt=0, description="first retry waits up to this long (full jitter)")
+    backoff_max_s: float = Field(30.0, gt=0, description="cap of the exponential retry backoff")
+
+    @field_validator("server_urls")
+    @classmethod
+    def _http_urls(cls, v: list[str]) -> list[str]:
+        from urllib.parse import urlsplit
+
+        bad = [u for u in v if urlsplit(u).scheme not in ("http", "https") or not urlsplit(u).netloc]
+        if bad:
+            raise ValueError(f"server URLs must be http(s)://HOST[:PORT], got {bad}")
+        return v
+
+    @model_validator(mode="after")
+    def _failures_exceed_retries(self) -> "DatagenConfig":
+        # One request failing all its attempts on an otherwise healthy server (a poison prompt)
+        # must end as an error record, not trip the dead-server threshold on its own.
+        if self.max_consecutive_failures < self.max_retries + 2:
+            raise ValueError(f"max_consecutive_failures ({self.max_consecutive_failures}) must be at least "
+                             f"max_retries + 2 = {self.max_retries + 2}")
+        return self
 
 
 class DumpConfig(Strict):
@@ -158,7 +182,12 @@ class DumpConfig(Strict):
     tokens_per_batch: int = Field(8192, ge=8)
     samples_per_shard: int = Field(256, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    devices: list[str] = Field(default_factory=lambda: ["auto"])
+    devices: list[str] = Field(default_factory=lambda: ["auto"],
+                               description="one worker per device; 'auto' = every visible GPU, else cpu")
+    spool_dir: str | None = Field(
+        None, description="local directory for shards before upload (default: the system temp dir); "
+                          "needs about (upload_queue + 2) x shard size per device")
+    upload_queue: int = Field(1, ge=1, description="finished shards waiting for upload per device")
 
 
 class TrainConfig(Strict):
@@ -330,11 +359,14 @@ def cross_field_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
                          f"the default {default_aux_layer_ids(layers)} for a {layers}-layer target is "
                          f"not three distinct layers; set them explicitly"))
     if ids is not None and layers is not None:
-        bad = [i for i in ids if not 0 <= i < layers]
+        # SGLang captures id i as the INPUT of layer i + 1, so the last layer (N - 1) has no such
+        # input: the usable ids are 0..N-2 (HF hidden_states[N] is already final-normed).
+        bad = [i for i in ids if not 0 <= i < layers - 1]
         if bad:
             problems.append(("dump.aux_layer_ids",
                              f"{bad} out of range for a target with {layers} layers "
-                             f"(ids are 0-based outputs of layers 0..{layers - 1})"))
+                             f"(ids are 0-based outputs of layers 0..{layers - 2}; SGLang cannot "
+                             f"capture the last layer's output)"))
     if vocab is not None and cfg.train.draft_vocab_size > vocab:
         problems.append(("train.draft_vocab_size",
                          f"{cfg.train.draft_vocab_size} exceeds the target vocab ({vocab})"))

@@ -77,6 +77,11 @@ def test_aux_layer_id_out_of_range_names_the_field(tmp_path):
     assert "dump.aux_layer_ids" in result.output and "[32] out of range" in result.output
 
 
+def test_last_layer_cannot_feed_the_drafter(tmp_path):
+    result = validate(tmp_path, base(dump={"aux_layer_ids": [2, 16, 31]}))
+    assert result.exit_code == 1 and "dump.aux_layer_ids: [31] out of range" in result.output
+
+
 def test_aux_layer_ids_checked_against_the_models_config_json(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
