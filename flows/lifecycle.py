@@ -7,7 +7,7 @@ from prefect import flow
 
 from drafter.config import LifecycleConfig, load_config
 from tasks.prepare import prepare_task
-from tasks.serve import serve_task
+from tasks.serve import reap_left_servers, serve_task
 from tasks.target import ensure_target_task
 
 # Only stages that exist are offered (the UI shows this as a multi-select).
@@ -20,7 +20,7 @@ def prepare_flow(cfg: LifecycleConfig) -> dict:
     return prepare_task(cfg)
 
 
-@flow(name="serve", log_prints=True)
+@flow(name="serve", log_prints=True, on_cancellation=[reap_left_servers], on_crashed=[reap_left_servers])
 def serve_flow(cfg: LifecycleConfig) -> dict:
     """Start, gate and tear down the configured server (the drafter comes from serve.draft_path)."""
     return serve_task(cfg, cfg.serve.draft_path)
@@ -29,7 +29,8 @@ def serve_flow(cfg: LifecycleConfig) -> dict:
 STAGE_FLOWS = {"prepare": prepare_flow, "serve": serve_flow}
 
 
-@flow(name="drafter-lifecycle", log_prints=True)
+@flow(name="drafter-lifecycle", log_prints=True,
+      on_cancellation=[reap_left_servers], on_crashed=[reap_left_servers])
 def drafter_lifecycle(profile: str = "profiles/demo.yaml",
                       config: Optional[LifecycleConfig] = None,
                       stages: list[Stage] = ALL_STAGES) -> dict:

@@ -13,6 +13,24 @@ from drafter.serving.errors import is_retryable
 from tasks.common import failure_of, log
 
 
+def reap_left_servers(flow, flow_run, state) -> None:
+    """on_cancellation / on_crashed hook (it runs in ANOTHER process): kill every server whose pid
+    file is still in the run's log directory, i.e. one the cancelled run could not tear down."""
+    from pathlib import Path
+
+    from drafter.config import load_config
+    from drafter.serving.launcher import reap
+
+    params = flow_run.parameters or {}
+    config = params.get("config") or params.get("cfg")
+    if config is not None:
+        cfg = config if isinstance(config, LifecycleConfig) else LifecycleConfig.model_validate(config)
+    else:
+        cfg = load_config(params.get("profile", "profiles/demo.yaml"))
+    for pid_path in sorted(Path(cfg.serve.log_dir).glob("*.pid.json")):
+        print(f"reaping {pid_path}: {reap(pid_path)}", flush=True)
+
+
 def retry_server_start(task, task_run, state) -> bool:
     exc = failure_of(state)
     return exc is not None and is_retryable(exc)

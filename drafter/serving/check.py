@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -60,8 +60,10 @@ def check_server(cfg: LifecycleConfig, draft_path: str | None = None, faults: Se
     result = _result(engine.name, log_path)
     t0 = time.monotonic()
     server: ServerProcess | None = None
+    stack = ExitStack()
     failure: ServerStartError | None = None
     try:
+        stack.enter_context(_sigterm_as_interrupt())  # a cancelled run (SIGTERM) still tears down
         spec = engine.build_launch(cfg, draft, log_path.parent, faults=faults)
         result["base_url"] = spec.base_url
         result["notes"] = preflight(spec, cfg)
@@ -84,6 +86,7 @@ def check_server(cfg: LifecycleConfig, draft_path: str | None = None, faults: Se
             result["teardown"] = teardown.to_dict()
             if not teardown.ok:
                 result["message"] += " | teardown incomplete: " + "; ".join(teardown.problems)
+        stack.close()
         result["seconds"] = round(time.monotonic() - t0, 3)
     if raise_on_failure:
         if failure is not None:

@@ -1,0 +1,102 @@
+"""A cancelled run never leaves a server behind: SIGTERM tears it down, and the flow's
+cancellation hook reaps what a killed run left (it runs in another process, from the pid file)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from drafter.serving.launcher import group_members
+from tasks.serve import reap_left_servers
+
+FAKE = Path(__file__).parent / "fixtures" / "fake_server.py"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hanging_server_config(tmp_path) -> dict:
+    port = free_port()
+    return {
+        "target": {"path": str(tmp_path), "name": "fake-model", "num_hidden_layers": 8, "vocab_size": 1000},
+        "train": {"draft_vocab_size": 100}, "dump": {"aux_layer_ids": [1, 3, 4]},
+        "serve": {"engine": "command", "port": port, "log_dir": str(tmp_path / "logs"),
+                  "command": [sys.executable, str(FAKE), "--port", "{port}", "--hang-in", "cuda_graph"],
+                  "health_url": f"http://127.0.0.1:{port}/health",
+                  "stall_timeout_s": 600, "startup_timeout_s": 600}}
+
+
+def start_checker(tmp_path) -> subprocess.Popen:
+    """A process running check_server against a server that hangs in CUDA-graph capture."""
+    code = ("import json,sys; from drafter.config import parse_config; "
+            "from drafter.serving.check import check_server; "
+            "check_server(parse_config(json.loads(sys.argv[1])))")
+    return subprocess.Popen([sys.executable, "-c", code, json.dumps(hanging_server_config(tmp_path))],
+                            cwd=ROOT)
+
+
+def wait_for_pid_file(tmp_path, timeout=30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = list((tmp_path / "logs").glob("*.pid.json"))
+        if files:
+            try:
+                return {"path": files[0], **json.loads(files[0].read_text())}
+            except ValueError:
+                pass  # being written
+        time.sleep(0.1)
+    raise AssertionError("the server never started")
+
+
+def wait_for_hang(info, timeout=30.0) -> None:
+    """Until the server sits silent in CUDA-graph capture (it no longer writes to its log pipe)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if "Capture cuda graph bs" in Path(info["log_path"]).read_text():
+            time.sleep(0.3)
+            return
+        time.sleep(0.1)
+    raise AssertionError("the server never reached CUDA-graph capture")
+
+
+def wait_gone(info, timeout=30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not group_members(info["pgid"], info.get("sid")):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_sigterm_to_the_run_tears_the_server_down(tmp_path):
+    checker = start_checker(tmp_path)
+    info = wait_for_pid_file(tmp_path)
+    wait_for_hang(info)
+    assert group_members(info["pgid"], info.get("sid"))
+    checker.send_signal(signal.SIGTERM)  # what Prefect sends a cancelled run
+    checker.wait(timeout=60)
+    assert wait_gone(info)
+    assert not info["path"].exists()
+
+
+def test_cancellation_hook_reaps_a_server_left_by_a_killed_run(tmp_path):
+    checker = start_checker(tmp_path)
+    info = wait_for_pid_file(tmp_path)
+    wait_for_hang(info)
+    os.kill(checker.pid, signal.SIGKILL)  # no finally runs: the server (own session) survives
+    checker.wait(timeout=10)
+    time.sleep(0.5)
+    assert group_members(info["pgid"], info.get("sid")), "the server should outlive a SIGKILLed run"
+    flow_run = SimpleNamespace(parameters={"config": hanging_server_config(tmp_path) | {
+        "serve": {**hanging_server_config(tmp_path)["serve"], "log_dir": str(tmp_path / "logs")}}})
+    reap_left_servers(None, flow_run, None)
+    assert wait_gone(info)
+    assert not info["path"].exists()
