@@ -29,6 +29,35 @@ from drafter.serving.errors import ServerConfigError
 GenerateStyle = Literal["sglang", "openai"]
 
 
+
+# ServeConfig field -> engine flag. Booleans become bare flags when true; other values are
+# passed when set. One table per engine keeps the two command lines from drifting apart.
+SGLANG_OPTION_FLAGS = {
+    "mem_fraction_static": "--mem-fraction-static",
+    "cuda_graph_max_bs": "--cuda-graph-max-bs",
+    "disable_cuda_graph": "--disable-cuda-graph",
+    "disable_custom_all_reduce": "--disable-custom-all-reduce",
+    "max_running_requests": "--max-running-requests",
+}
+VLLM_OPTION_FLAGS = {
+    "mem_fraction_static": "--gpu-memory-utilization",
+    "cuda_graph_max_bs": "--max-cudagraph-capture-size",
+    "disable_cuda_graph": "--enforce-eager",
+    "disable_custom_all_reduce": "--disable-custom-all-reduce",
+    "max_running_requests": "--max-num-seqs",
+}
+
+
+def _option_flags(serve, flags: dict[str, str]) -> list[str]:
+    argv: list[str] = []
+    for field, flag in flags.items():
+        value = getattr(serve, field)
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
 class Phase(NamedTuple):
     """A start-up phase, entered when a log line matches `pattern`.
 
@@ -284,16 +313,7 @@ class SGLangEngine(Engine):
         if t.trust_remote_code:
             argv.append("--trust-remote-code")
         argv += _speculative_flags(s.speculative, draft_path)
-        if s.mem_fraction_static is not None:
-            argv += ["--mem-fraction-static", str(s.mem_fraction_static)]
-        if s.cuda_graph_max_bs is not None:
-            argv += ["--cuda-graph-max-bs", str(s.cuda_graph_max_bs)]
-        if s.disable_cuda_graph:
-            argv.append("--disable-cuda-graph")
-        if s.disable_custom_all_reduce:
-            argv.append("--disable-custom-all-reduce")
-        if s.max_running_requests is not None:
-            argv += ["--max-running-requests", str(s.max_running_requests)]
+        argv += _option_flags(s, SGLANG_OPTION_FLAGS)
         argv += list(s.extra_args)
         return self._host_port_spec(cfg, argv, draft_path, log_dir)
 
@@ -476,16 +496,7 @@ class VLLMEngine(Engine):
         if t.trust_remote_code:
             argv.append("--trust-remote-code")
         argv += self._speculative_config(s.speculative, draft_path)
-        if s.mem_fraction_static is not None:
-            argv += ["--gpu-memory-utilization", str(s.mem_fraction_static)]
-        if s.cuda_graph_max_bs is not None:
-            argv += ["--max-cudagraph-capture-size", str(s.cuda_graph_max_bs)]
-        if s.disable_cuda_graph:
-            argv.append("--enforce-eager")
-        if s.disable_custom_all_reduce:
-            argv.append("--disable-custom-all-reduce")
-        if s.max_running_requests is not None:
-            argv += ["--max-num-seqs", str(s.max_running_requests)]
+        argv += _option_flags(s, VLLM_OPTION_FLAGS)
         argv += list(s.extra_args)
         return self._host_port_spec(cfg, argv, draft_path, log_dir)
 
