@@ -28,8 +28,6 @@ from drafter.serving.errors import ServerConfigError
 
 GenerateStyle = Literal["sglang", "openai"]
 
-
-
 # ServeConfig field -> engine flag. Booleans become bare flags when true; other values are
 # passed when set. One table per engine keeps the two command lines from drifting apart.
 SGLANG_OPTION_FLAGS = {
