@@ -1,0 +1,407 @@
+"""The `datagen` stage: the target rewrites the assistant turns of the prepared conversations.
+
+Output (`datagen/<fingerprint>/`):
+- `gen-00000.jsonl`, ...: one record per conversation, in prepared order:
+  `{"id", "messages", "source_id", "finish_reasons", "usage": {"prompt_tokens", "completion_tokens"},
+  "gen": {"model", "temperature", "max_tokens", "server"}}` (`id` == `source_id`: one generation per
+  prompt; `server` answered the last turn);
+- `errors-00000.jsonl`, ...: `{"id", "reason", "attempts", "server", "turn", "detail"}` for the
+  conversations of that shard that could not be generated (only written when there are some).
+
+Shard i always holds conversations [i*shard_size, (i+1)*shard_size) of the prepared split, so a
+killed run resumes at the shards without a verified `gen-i` and never duplicates or drops a sample.
+`errors-i` is written before `gen-i`: `gen-i` is the shard's "done" mark.
+
+Multi-turn conversations are regenerated turn by turn: turn k is asked with the history holding the
+target's OWN earlier answers (the original answers are dropped), as the drafter will see at serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Coroutine, Iterator, TypeVar
+
+from drafter.config import ConfigError, LifecycleConfig
+from drafter.openai_client import ChatClient, DatagenServerDown, RequestFailed, ServerPool
+from drafter.prepare import load_prepared, to_jsonl
+from drafter.stage_output import Manifest, ShardInfo, StageOutput, fingerprint
+from drafter.store import ObjectStore
+
+__all__ = ["DatagenResult", "DatagenServerDown", "STAGE", "datagen_fingerprint", "datagen_output",
+           "iter_generations", "run_datagen", "ServedTarget", "target_server"]
+
+log = logging.getLogger(__name__)
+
+STAGE = "datagen"
+# Settings that change how fast (or whether) the stage runs, never what it writes: a re-run with
+# more servers or a different backoff must resume the same output, not start a new one.
+OPERATIONAL_FIELDS = frozenset({"server_urls", "concurrency_per_server", "max_consecutive_failures",
+                                "backoff_base_s", "backoff_max_s"})
+Progress = Callable[..., None]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DatagenResult:
+    manifest: Manifest
+    skipped: bool
+    uri: str
+
+
+def gen_shard_name(index: int) -> str:
+    return f"gen-{index:05d}.jsonl"
+
+
+def error_shard_name(index: int) -> str:
+    return f"errors-{index:05d}.jsonl"
+
+
+def datagen_fingerprint(cfg: LifecycleConfig, prepare_fingerprint: str, split: str = "train") -> str:
+    section = cfg.datagen.model_dump(mode="json", exclude=set(OPERATIONAL_FIELDS))
+    target = {"served_name": cfg.target.served_name, "path": cfg.target.path}
+    return fingerprint(STAGE, {"datagen": section, "target": target, "split": split}, [prepare_fingerprint])
+
+
+def datagen_output(cfg: LifecycleConfig, store: ObjectStore, prepare_fingerprint: str,
+                   split: str = "train") -> StageOutput:
+    return StageOutput(store, STAGE, datagen_fingerprint(cfg, prepare_fingerprint, split))
+
+
+# ------------------------------------------------------------------------------------ one shard
+
+
+@dataclass
+class _Shard:
+    """The conversations of one output shard and their results, kept in input order."""
+
+    index: int
+    conversations: list[dict]
+    records: list[dict | None] = field(default_factory=list)
+    errors: list[dict | None] = field(default_factory=list)
+    remaining: int = 0
+    saved: bool = False
+
+    def __post_init__(self) -> None:
+        self.records = [None] * len(self.conversations)
+        self.errors = [None] * len(self.conversations)
+        self.remaining = len(self.conversations)
+
+    def finish(self, position: int, record: dict | None, error: dict | None) -> None:
+        self.records[position], self.errors[position] = record, error
+        self.remaining -= 1
+
+
+def shard_meta(records: list[dict], errors: list[dict]) -> dict[str, Any]:
+    """Per-shard counts, stored in the shard's marker; the manifest sums them over all shards
+    (including shards a killed earlier run wrote)."""
+    return {
+        "conversations": len(records) + len(errors), "generated": len(records), "errors": len(errors),
+        "errors_by_reason": dict(sorted(Counter(e["reason"] for e in errors).items())),
+        "turns": sum(len(r["finish_reasons"]) for r in records),
+        "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in records),
+        "completion_tokens": sum(r["usage"]["completion_tokens"] for r in records),
+        "finish_reasons": dict(sorted(Counter(f for r in records for f in r["finish_reasons"]).items())),
+    }
+
+
+# ------------------------------------------------------------------------------- the async run
+
+
+class _Generation:
+    """Regenerates a list of shards: a producer feeds conversations in order to a fixed set of
+    workers; a writer saves shards in order as they complete. The producer stays at most
+    `window` shards ahead of the writer, so memory stays bounded and shards land in order."""
+
+    def __init__(self, out: StageOutput, client: ChatClient, shards: list[_Shard], workers: int,
+                 window: int, gen_info: dict, progress: Progress | None, done_before: int, total: int):
+        self.out, self.client, self.shards = out, client, shards
+        self.n_workers, self.gen_info = workers, gen_info
+        self.progress, self.done, self.total = progress, done_before, total
+        self.jobs: asyncio.Queue = asyncio.Queue(maxsize=workers)
+        self.window = asyncio.Semaphore(window)
+        self.changed = asyncio.Event()       # a shard completed, or the writer must stop
+        self.stopping = False
+        self.started = time.monotonic()
+        self.requests = self.completion_tokens = self.errors = 0
+
+    # ---- orchestration
+
+    async def run(self) -> None:
+        workers = [asyncio.create_task(self._work()) for _ in range(self.n_workers)]
+        producer = asyncio.create_task(self._produce())
+        writer = asyncio.create_task(self._write())
+        self._report()  # a resumed run starts its bar at the shards already done
+        try:
+            pending = {producer, writer, *workers}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()
+        except BaseException as failure:
+            for task in (producer, *workers):
+                task.cancel()
+            await asyncio.gather(producer, *workers, return_exceptions=True)
+            if writer.done() or isinstance(failure, asyncio.CancelledError):
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
+            else:  # keep every finished shard: the re-run starts after them
+                self.stopping = True
+                self.changed.set()
+                try:
+                    await writer
+                except Exception as err:
+                    failure.add_note(f"finished shards could not all be saved: {err}")
+            raise
+
+    async def _produce(self) -> None:
+        for shard in self.shards:
+            await self.window.acquire()
+            for position, conversation in enumerate(shard.conversations):
+                await self.jobs.put((shard, position, conversation))
+        for _ in range(self.n_workers):
+            await self.jobs.put(None)
+
+    async def _work(self) -> None:
+        while (job := await self.jobs.get()) is not None:
+            shard, position, conversation = job
+            record, error = await self._regenerate(conversation)
+            shard.finish(position, record, error)
+            self.errors += error is not None
+            self.done += 1
+            if shard.remaining == 0:
+                self.changed.set()
+            self._report()
+
+    async def _write(self) -> None:
+        for shard in self.shards:
+            while shard.remaining and not self.stopping:
+                self.changed.clear()
+                await self.changed.wait()
+            if shard.remaining:
+                break
+            await self._save(shard)
+            self.window.release()
+        # Stopping after a failure: shards that completed behind an unfinished one are kept too.
+        for shard in self.shards:
+            if not shard.remaining and not shard.saved:
+                await self._save(shard)
+
+    async def _save(self, shard: _Shard) -> None:
+        records = [r for r in shard.records if r is not None]
+        errors = [e for e in shard.errors if e is not None]
+        # The store is blocking (boto3, fsync): keep the event loop generating meanwhile.
+        await asyncio.to_thread(self._write_files, shard.index, records, errors)
+        shard.saved = True
+        shard.records = shard.errors = []  # free the memory; the store holds them now
+
+    def _write_files(self, index: int, records: list[dict], errors: list[dict]) -> None:
+        if errors:
+            self.out.write_shard(error_shard_name(index), to_jsonl(errors), meta={"rows": len(errors)})
+        self.out.write_shard(gen_shard_name(index), to_jsonl(records), meta=shard_meta(records, errors))
+
+    # ---- one conversation
+
+    async def _regenerate(self, conversation: dict) -> tuple[dict | None, dict | None]:
+        """(record, None) or (None, error record)."""
+        history: list[dict] = []
+        finish_reasons: list[str | None] = []
+        prompt_tokens = completion_tokens = 0
+        server = None
+        for message in conversation["messages"]:
+            if message["role"] == "assistant":
+                continue  # dropped: the target writes its own answer below
+            history.append({"role": message["role"], "content": message["content"]})
+            if message["role"] != "user":
+                continue
+            try:
+                answer = await self.client.chat(history, prefer=server)
+            except RequestFailed as err:
+                return None, {"id": conversation["id"], "reason": err.reason, "attempts": err.attempts,
+                              "server": err.server, "turn": len(finish_reasons), "detail": err.detail[:500]}
+            history.append({"role": "assistant", "content": answer.content})
+            finish_reasons.append(answer.finish_reason)
+            prompt_tokens += answer.prompt_tokens
+            completion_tokens += answer.completion_tokens
+            server = answer.server
+            self.requests += 1
+            self.completion_tokens += answer.completion_tokens
+        return {"id": conversation["id"], "messages": history, "source_id": conversation["id"],
+                "finish_reasons": finish_reasons,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+                "gen": {**self.gen_info, "server": server}}, None
+
+    # ---- figures
+
+    def figures(self) -> dict[str, Any]:
+        seconds = max(time.monotonic() - self.started, 1e-9)
+        return {"seconds": round(seconds, 3), "requests": self.requests,
+                "requests_per_s": round(self.requests / seconds, 3),
+                "completion_tokens": self.completion_tokens,
+                "tokens_per_s": round(self.completion_tokens / seconds, 2)}
+
+    def _report(self) -> None:
+        if self.progress is None:
+            return
+        f = self.figures()
+        info = [f"{f['requests_per_s']:.2f} req/s", f"{f['tokens_per_s']:.0f} tok/s"]
+        if self.errors:
+            info.append(f"{self.errors} errors")
+        try:
+            self.progress(self.done, self.total, *info)
+        except Exception as err:  # a progress display must never stop hours of generation
+            log.warning("datagen progress callback failed (%s); progress reports stop", err)
+            self.progress = None
+
+
+async def _generate(out: StageOutput, cfg: LifecycleConfig, shards: list[_Shard], server_urls: list[str],
+                    progress: Progress | None, done_before: int, total: int) -> dict[str, Any]:
+    d = cfg.datagen
+    async with ServerPool(server_urls, d.concurrency_per_server, d.max_consecutive_failures,
+                          d.request_timeout_s) as pool:
+        # Twice the slots: conversations waiting out a backoff or between turns leave no slot idle.
+        workers = 2 * pool.slots
+        # Shards are written in order, so the oldest one waits for its slowest conversation; two
+        # shards beyond what the workers hold keep them busy meanwhile (records are small in RAM).
+        window = math.ceil(workers / d.shard_size) + 2
+        client = ChatClient(pool, model=cfg.target.served_name, temperature=d.temperature,
+                            max_tokens=d.max_tokens, timeout_s=d.request_timeout_s, max_retries=d.max_retries,
+                            backoff_base_s=d.backoff_base_s, backoff_max_s=d.backoff_max_s)
+        gen_info = {"model": cfg.target.served_name, "temperature": d.temperature, "max_tokens": d.max_tokens}
+        run = _Generation(out, client, shards, workers, window, gen_info, progress, done_before, total)
+        await run.run()
+    return {**run.figures(), "servers": pool.stats()}
+
+
+def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run, also from a thread that already runs an event loop (notebooks, async hosts)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+# ------------------------------------------------------------------------------------- the stage
+
+
+def _manifest_meta(cfg: LifecycleConfig, shards: dict[str, ShardInfo], split: str, prepare_fp: str,
+                   resumed: int, n_shards: int, this_run: dict[str, Any]) -> dict[str, Any]:
+    gen = [info.meta for name, info in shards.items() if name.startswith("gen-")]
+    total: Counter = Counter()
+    errors_by_reason: Counter = Counter()
+    finish_reasons: Counter = Counter()
+    for m in gen:
+        total.update({k: m[k] for k in ("conversations", "generated", "errors", "turns",
+                                        "prompt_tokens", "completion_tokens")})
+        errors_by_reason.update(m["errors_by_reason"])
+        finish_reasons.update(m["finish_reasons"])
+    d = cfg.datagen
+    return {
+        "split": split, "prepare_fingerprint": prepare_fp,
+        **{k: total[k] for k in ("conversations", "generated", "errors", "turns", "prompt_tokens",
+                                 "completion_tokens")},
+        "errors_by_reason": dict(sorted(errors_by_reason.items())),
+        "finish_reasons": dict(sorted(finish_reasons.items())),
+        "shards": n_shards, "shard_size": d.shard_size, "resumed_shards": resumed,
+        "generation": {"model": cfg.target.served_name, "target_path": cfg.target.path,
+                       "temperature": d.temperature, "max_tokens": d.max_tokens,
+                       "request_timeout_s": d.request_timeout_s, "max_retries": d.max_retries},
+        "throughput": this_run,  # this run only: shards resumed from an earlier run are not timed
+    }
+
+
+def _drop_stale_errors(out: StageOutput, done: dict[str, ShardInfo], todo: list[_Shard]) -> None:
+    """An `errors-i` whose `gen-i` never landed (killed in between) would be committed with the
+    redone shard and name conversations that are now fine: remove it before redoing shard i.
+    Removing the object is enough, a marker only counts while its shard exists."""
+    for shard in todo:
+        name = error_shard_name(shard.index)
+        if name in done:
+            out.store.delete(out.key(name))
+
+
+def run_datagen(cfg: LifecycleConfig, store: ObjectStore, prepare_fingerprint: str, server_urls: list[str],
+                progress: Progress | None = None, split: str = "train") -> DatagenResult:
+    """Regenerate the answers of the prepared `split` through `server_urls` (OpenAI-compatible).
+    Skips (contacting no server) when the output is complete; resumes at the missing shards.
+    Raises DatagenServerDown, after saving every finished shard, when a server stops answering."""
+    out = datagen_output(cfg, store, prepare_fingerprint, split)
+    if out.is_complete():
+        return DatagenResult(manifest=out.load_manifest(), skipped=True, uri=out.uri)
+    conversations = load_prepared(store, prepare_fingerprint, split)
+    size = cfg.datagen.shard_size
+    n_shards = math.ceil(len(conversations) / size)
+    done = out.completed_shards()
+    todo = [_Shard(i, conversations[i * size:(i + 1) * size])
+            for i in range(n_shards) if gen_shard_name(i) not in done]
+    resumed = n_shards - len(todo)
+    this_run: dict[str, Any] = {}
+    if todo:
+        if not server_urls:
+            raise ConfigError([("datagen.server_urls", "no server to generate with (give URLs or let the "
+                                                       "datagen task start one)")])
+        if resumed:
+            log.info("datagen: resuming %s, %d of %d shards already done", out.uri, resumed, n_shards)
+        _drop_stale_errors(out, done, todo)
+        done_before = len(conversations) - sum(len(s.conversations) for s in todo)
+        this_run = _run_sync(_generate(out, cfg, todo, server_urls, progress, done_before, len(conversations)))
+    meta = _manifest_meta(cfg, out.completed_shards(), split, prepare_fingerprint, resumed, n_shards, this_run)
+    manifest = out.commit(meta, expect=[gen_shard_name(i) for i in range(n_shards)])
+    return DatagenResult(manifest=manifest, skipped=False, uri=out.uri)
+
+
+def iter_generations(store: ObjectStore, manifest_or_fingerprint: Manifest | str,
+                     errors: bool = False) -> Iterator[dict]:
+    """The committed records (or, with `errors`, the error records) in shard order, verified."""
+    fp = (manifest_or_fingerprint.fingerprint if isinstance(manifest_or_fingerprint, Manifest)
+          else manifest_or_fingerprint)
+    out = StageOutput(store, STAGE, fp)
+    prefix = "errors-" if errors else "gen-"
+    for info in out.load_manifest().shards:  # raises if not committed
+        if info.name.startswith(prefix):
+            text = out.read_shard(info.name).decode("utf-8")
+            yield from (json.loads(line) for line in text.split("\n") if line)
+
+
+# ---------------------------------------------------------------- a server for the stage itself
+
+
+@dataclass(frozen=True)
+class ServedTarget:
+    base_url: str
+    log_path: str
+    seconds_to_ready: float
+
+
+@contextmanager
+def target_server(cfg: LifecycleConfig, on_line: Callable[[str], None] | None = None, *,
+                  log_dir: str | os.PathLike | None = None) -> Iterator[ServedTarget]:
+    """Start the configured engine serving the TARGET ALONE (no drafter: speculation cannot
+    change greedy answers and only adds start-up risk), wait until a real generation succeeds,
+    yield where it serves, and always tear it down. A failed start raises its typed
+    ServerStartError (drafter.serving.errors.is_retryable tells whether to try again)."""
+    from drafter.serving.check import new_log_path
+    from drafter.serving.engines import make_engine
+    from drafter.serving.gate import wait_until_ready
+    from drafter.serving.launcher import ServerProcess, preflight
+
+    serve = cfg.serve.model_copy(update={"speculative": None, "draft_path": None})
+    plain = cfg.model_copy(update={"serve": serve})
+    engine = make_engine(serve.engine)
+    log_path = new_log_path(log_dir or serve.log_dir, engine.name)
+    spec = engine.build_launch(plain, None, log_path.parent)
+    for note in preflight(spec, plain):
+        log.info("datagen server preflight: %s", note)
+    with ServerProcess(spec, engine, log_path, on_line) as server:
+        report = wait_until_ready(server, engine, spec, serve.startup_timeout_s, serve.stall_timeout_s)
+        yield ServedTarget(spec.base_url, str(log_path), report.seconds_to_ready)

@@ -1,0 +1,499 @@
+"""The datagen stage against real HTTP servers on loopback: a programmable OpenAI-compatible fake
+(stdlib, threaded) and, once, the reference engine on `tiny_target`. Resume tests run on both
+store backends."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from drafter.config import (ConfigError, DataConfig, DatagenConfig, DataSource, LifecycleConfig,
+                            ServeConfig, StorageConfig, TargetConfig, parse_config)
+from drafter.datagen import (DatagenServerDown, datagen_fingerprint, datagen_output, iter_generations,
+                             run_datagen, target_server)
+from drafter.prepare import run_prepare
+from drafter.store import open_store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------- the fake server
+
+
+def last_user(body: dict) -> str:
+    return [m["content"] for m in body["messages"] if m["role"] == "user"][-1]
+
+
+def fake_answer(body: dict) -> str:
+    """Deterministic and server-independent: which turn, and what it answers."""
+    turn = sum(m["role"] == "user" for m in body["messages"])
+    return f"[{turn}] re: {last_user(body)}"
+
+
+class FakeOpenAI:
+    """POST /v1/chat/completions on 127.0.0.1. Programmable:
+    - `fail(body, attempt) -> status | None`: answer that status instead (attempt counts from 1 per prompt)
+    - `die_after = k`: from request k+1 on the server is gone (connections dropped, port closed)
+    - `hold_after = k`: requests after the k-th wait until `release()`
+    - `delay_s`: every answer takes this long (to have requests in flight together)."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.fail: Callable[[dict, int], int | None] = lambda body, attempt: None
+        self.die_after: int | None = None
+        self.hold_after: int | None = None
+        self.received: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+        self.dead = False
+        self._attempts: Counter = Counter()
+        self._released = threading.Event()
+        self._lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.fake = self
+        self.httpd.handle_error = lambda request, address: None  # a client killed mid-answer is expected
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+
+    @property
+    def prompts(self) -> list[str]:
+        return [last_user(b) for b in self.received if b.get("max_tokens") != 1]  # probes ask for 1 token
+
+    def release(self) -> None:
+        self._released.set()
+
+    def kill(self) -> None:
+        self.dead = True
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def close(self) -> None:
+        self.release()
+        if not self.dead:
+            self.kill()
+
+    def handle(self, body: dict) -> tuple[int | None, dict, dict]:
+        with self._lock:
+            if self.dead:
+                return None, {}, {}
+            n = len(self.received)
+            self.received.append(body)
+            self._attempts[json.dumps(body["messages"])] += 1
+            attempt = self._attempts[json.dumps(body["messages"])]
+            if self.die_after is not None and n >= self.die_after:
+                self.dead = True
+                threading.Thread(target=self.kill, daemon=True).start()
+                return None, {}, {}
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.hold_after is not None and n >= self.hold_after:
+                self._released.wait()
+            time.sleep(self.delay_s)
+            status = self.fail(body, attempt)
+            if status is not None:
+                return status, {"error": {"message": f"programmed {status}"}}, (
+                    {"Retry-After": "0"} if status == 429 else {})
+            content = fake_answer(body)
+            return 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [{
+                "index": 0, "message": {"role": "assistant", "content": content},
+                "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": len(body["messages"]), "completion_tokens": len(content.split()),
+                          "total_tokens": 0}}, {}
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK stall
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        status, payload, headers = self.server.fake.handle(body)
+        if status is None:  # gone: close without an answer, like a crashed server
+            self.close_connection = True
+            return
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        for key, value in {**headers, "Content-Type": "application/json",
+                           "Content-Length": str(len(data))}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def fakes():
+    made: list[FakeOpenAI] = []
+
+    def make(**kw) -> FakeOpenAI:
+        made.append(FakeOpenAI(**kw))
+        return made[-1]
+    yield make
+    for fake in made:
+        fake.close()
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def sharegpt(i: int, turns: int = 1, system: bool = False) -> dict:
+    conv = [{"from": "system", "value": "be brief"}] if system else []
+    for t in range(turns):
+        conv += [{"from": "human", "value": f"question {i}.{t}"}, {"from": "gpt", "value": f"OLD answer {i}.{t}"}]
+    return {"id": f"c{i:03d}", "conversations": conv}
+
+
+def make_cfg(tmp_path: Path, storage: StorageConfig, rows: list[dict], **datagen) -> LifecycleConfig:
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = dict(max_tokens=16, concurrency_per_server=2, request_timeout_s=10, max_retries=2,
+                    shard_size=2, max_consecutive_failures=4, backoff_base_s=0.005, backoff_max_s=0.02)
+    settings.update(datagen)
+    return LifecycleConfig(target=TargetConfig(path="/nonexistent/target", name="fake-model"),
+                           data=DataConfig(sources=[DataSource(kind="jsonl", path=str(src))], eval_fraction=0),
+                           datagen=DatagenConfig(**settings), storage=storage)
+
+
+def prepared(cfg: LifecycleConfig, store) -> str:
+    return run_prepare(cfg, store).manifest.fingerprint
+
+
+def gen_shards(cfg, store, fp) -> dict:
+    return {n: i.sha256 for n, i in datagen_output(cfg, store, fp).completed_shards().items()
+            if n.startswith("gen-")}
+
+
+# ----------------------------------------------------------------------------------------- tests
+
+
+def test_multi_turn_resends_new_answers_and_rerun_contacts_no_server(tmp_path, any_store, any_storage_config,
+                                                                     fakes):
+    fake = fakes()
+    rows = [sharegpt(0, turns=3, system=True), sharegpt(1), sharegpt(2, turns=2)]
+    cfg = make_cfg(tmp_path, any_storage_config, rows, temperature=0.5)
+    fp = prepared(cfg, any_store)
+    seen = []
+    result = run_datagen(cfg, any_store, fp, [fake.url], progress=lambda *a: seen.append(a))
+    assert not result.skipped
+
+    # What the server received for conversation 0: the history holds the NEW answers.
+    asked = [b["messages"] for b in fake.received if "question 0." in last_user(b)]
+    assert [len(m) for m in asked] == [2, 4, 6]
+    assert asked[2] == [{"role": "system", "content": "be brief"},
+                        {"role": "user", "content": "question 0.0"},
+                        {"role": "assistant", "content": "[1] re: question 0.0"},
+                        {"role": "user", "content": "question 0.1"},
+                        {"role": "assistant", "content": "[2] re: question 0.1"},
+                        {"role": "user", "content": "question 0.2"}]
+    assert not any("OLD" in m["content"] for b in fake.received for m in b["messages"])
+    assert {(b["model"], b["temperature"], b["max_tokens"]) for b in fake.received} == {("fake-model", 0.5, 16)}
+
+    records = list(iter_generations(any_store, result.manifest))
+    assert [r["id"] for r in records] == ["c000", "c001", "c002"]
+    r0 = records[0]
+    assert r0["source_id"] == "c000" and r0["finish_reasons"] == ["stop"] * 3
+    assert r0["messages"][-1] == {"role": "assistant", "content": "[3] re: question 0.2"}
+    assert r0["usage"] == {"prompt_tokens": 2 + 4 + 6, "completion_tokens": 12}
+    assert r0["gen"] == {"model": "fake-model", "temperature": 0.5, "max_tokens": 16, "server": fake.url}
+    assert [s.name for s in result.manifest.shards] == ["gen-00000.jsonl", "gen-00001.jsonl"]
+    meta = result.manifest.meta
+    assert (meta["conversations"], meta["generated"], meta["errors"], meta["turns"]) == (3, 3, 0, 6)
+    assert meta["completion_tokens"] == sum(r["usage"]["completion_tokens"] for r in records)
+    assert meta["throughput"]["requests"] == 6 and meta["throughput"]["requests_per_s"] > 0
+    assert meta["generation"]["temperature"] == 0.5
+    assert seen[-1][:2] == (3, 3) and "req/s" in seen[-1][2] and "tok/s" in seen[-1][3]
+
+    # Complete: skipped without contacting anything (the URL is a closed port).
+    n = len(fake.received)
+    again = run_datagen(cfg, any_store, fp, ["http://127.0.0.1:9"])
+    assert again.skipped and again.manifest == result.manifest and len(fake.received) == n
+
+
+def test_round_robin_with_bounded_in_flight(tmp_path, fakes):
+    a, b = fakes(delay_s=0.02), fakes(delay_s=0.02)
+    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"), [sharegpt(i) for i in range(24)],
+                   concurrency_per_server=3, shard_size=5)
+    store = open_store(cfg.storage)
+    result = run_datagen(cfg, store, prepared(cfg, store), [a.url, b.url + "/v1/"])
+    assert len(a.received) + len(b.received) == 24
+    assert abs(len(a.received) - len(b.received)) <= 4
+    assert 1 < a.max_in_flight <= 3 and 1 < b.max_in_flight <= 3
+    servers = Counter(r["gen"]["server"] for r in iter_generations(store, result.manifest))
+    assert servers == {a.url: len(a.received), b.url: len(b.received)}
+    assert [r["id"] for r in iter_generations(store, result.manifest)] == [f"c{i:03d}" for i in range(24)]
+
+
+def test_429_and_500_are_retried_then_succeed(tmp_path, fakes):
+    fake = fakes()
+    fake.fail = lambda body, attempt: {1: 429, 2: 503}.get(attempt)
+    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"), [sharegpt(i, turns=2) for i in range(4)],
+                   max_retries=3, max_consecutive_failures=50)
+    store = open_store(cfg.storage)
+    result = run_datagen(cfg, store, prepared(cfg, store), [fake.url])
+    assert result.manifest.meta["generated"] == 4 and result.manifest.meta["errors"] == 0
+    assert Counter(fake.prompts) == {f"question {i}.{t}": 3 for i in range(4) for t in range(2)}
+    assert result.manifest.meta["throughput"]["servers"][0]["failures"] == 16
+
+
+def test_bad_requests_go_to_the_error_shard(tmp_path, fakes):
+    """A 400 is final at once; a prompt failing forever (while the server still answers) is retried,
+    then recorded. Neither conversation is in the output; the server is not declared down."""
+    fake = fakes()
+    fake.fail = lambda body, attempt: (400 if last_user(body) == "question 1.0" else
+                                       500 if last_user(body) == "question 2.1" else None)
+    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"),
+                   [sharegpt(i, turns=2) for i in range(5)], concurrency_per_server=1)
+    store = open_store(cfg.storage)
+    result = run_datagen(cfg, store, prepared(cfg, store), [fake.url])
+    assert [r["id"] for r in iter_generations(store, result.manifest)] == ["c000", "c003", "c004"]
+    errors = list(iter_generations(store, result.manifest, errors=True))
+    assert [(e["id"], e["reason"], e["attempts"], e["turn"], e["server"]) for e in errors] == [
+        ("c001", "http_400", 1, 0, fake.url), ("c002", "http_500", 3, 1, fake.url)]
+    assert "programmed 500" in errors[1]["detail"]
+    meta = result.manifest.meta
+    assert meta["errors"] == 2 and meta["errors_by_reason"] == {"http_400": 1, "http_500": 1}
+    assert meta["generated"] == 3 and meta["conversations"] == 5
+    assert "errors-00000.jsonl" in [s.name for s in result.manifest.shards]
+    assert "errors-00001.jsonl" in [s.name for s in result.manifest.shards]
+
+
+@pytest.mark.parametrize("failure", ["http_500", "vanish"])
+def test_server_down_keeps_finished_shards_and_rerun_completes(tmp_path, any_store, any_storage_config,
+                                                               fakes, failure):
+    fake = fakes()
+    if failure == "http_500":
+        fake.fail = lambda body, attempt: 500 if len(fake.received) > 7 else None
+    else:
+        fake.die_after = 7
+    rows = [sharegpt(i) for i in range(12)]
+    cfg = make_cfg(tmp_path, any_storage_config, rows, concurrency_per_server=1)
+    fp = prepared(cfg, any_store)
+    with pytest.raises(DatagenServerDown) as info:
+        run_datagen(cfg, any_store, fp, [fake.url])
+    err = info.value
+    assert err.url == fake.url and fake.url in str(err)
+    assert ("500" in err.last_error) if failure == "http_500" else ("connection" in err.last_error)
+    out = datagen_output(cfg, any_store, fp)
+    assert not out.is_complete()
+    done = gen_shards(cfg, any_store, fp)
+    assert sorted(done) == ["gen-00000.jsonl", "gen-00001.jsonl", "gen-00002.jsonl"]  # 7 answered
+
+    healthy = fakes()
+    result = run_datagen(cfg, any_store, fp, [healthy.url])
+    ids = [r["id"] for r in iter_generations(any_store, result.manifest)]
+    assert ids == [f"c{i:03d}" for i in range(12)]  # none lost, none twice
+    assert sorted(healthy.prompts) == sorted(f"question {i}.0" for i in range(6, 12))  # finished: not redone
+    assert {s.name: s.sha256 for s in result.manifest.shards if s.name in done} == done
+    assert result.manifest.meta["resumed_shards"] == 3 and result.manifest.meta["errors"] == 0
+
+
+def test_shards_finished_behind_an_unfinished_one_are_kept(tmp_path, fakes):
+    """Shards are written in order; when the stage stops, shards that finished behind an unfinished
+    one are saved too. Here c000 (shard 0) keeps failing until its server goes down for good."""
+    fake = fakes()
+    answered: list[str] = []
+
+    def fail(body, attempt):
+        if last_user(body) == "question 0.0" or len(answered) >= 5:
+            return 500
+        answered.append(last_user(body))
+        return None
+    fake.fail = fail
+    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"), [sharegpt(i) for i in range(6)],
+                   max_retries=20, max_consecutive_failures=22)  # c000 cannot use up its retries first
+    store = open_store(cfg.storage)
+    fp = prepared(cfg, store)
+    with pytest.raises(DatagenServerDown, match="500"):
+        run_datagen(cfg, store, fp, [fake.url])
+    assert sorted(gen_shards(cfg, store, fp)) == ["gen-00001.jsonl", "gen-00002.jsonl"]
+
+    healthy = fakes()
+    result = run_datagen(cfg, store, fp, [healthy.url])
+    assert sorted(healthy.prompts) == ["question 0.0", "question 1.0"]
+    assert [r["id"] for r in iter_generations(store, result.manifest)] == [f"c{i:03d}" for i in range(6)]
+
+
+def test_server_down_survives_pickling():
+    import pickle
+
+    err = DatagenServerDown("http://h:1", "connection: refused", 10)
+    err.add_note("server log: x.log")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.url, back.last_error, back.failures, back.__notes__) == (
+        "http://h:1", "connection: refused", 10, ["server log: x.log"])
+
+
+CHILD = """
+import sys
+from drafter.config import LifecycleConfig
+from drafter.datagen import run_datagen
+from drafter.store import open_store
+cfg = LifecycleConfig.model_validate_json(sys.argv[1])
+run_datagen(cfg, open_store(cfg.storage), sys.argv[2], [sys.argv[3]])
+"""
+
+
+def test_sigkill_mid_run_then_rerun_resumes(tmp_path, any_store, any_storage_config, fakes):
+    fake = fakes()
+    fake.hold_after = 8  # 4 conversations x 2 turns answered, then the server stalls
+    rows = [sharegpt(i, turns=2) for i in range(10)]
+    cfg = make_cfg(tmp_path, any_storage_config, rows, concurrency_per_server=1)
+    fp = prepared(cfg, any_store)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, cfg.model_dump_json(), fp, fake.url], cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while len(gen_shards(cfg, any_store, fp)) < 2:
+            assert child.poll() is None, child.stderr.read().decode()
+            assert time.monotonic() < deadline, "the child never finished two shards"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    before = gen_shards(cfg, any_store, fp)
+    assert sorted(before) == ["gen-00000.jsonl", "gen-00001.jsonl"]
+    assert not datagen_output(cfg, any_store, fp).is_complete()
+
+    fresh = fakes()
+    result = run_datagen(cfg, any_store, fp, [fresh.url])
+    ids = [r["id"] for r in iter_generations(any_store, result.manifest)]
+    assert ids == [f"c{i:03d}" for i in range(10)]
+    assert len(fresh.received) == 6 * 2  # only conversations 4..9, two turns each
+    assert {s.name: s.sha256 for s in result.manifest.shards if s.name in before} == before
+    assert result.manifest.meta["generated"] == 10 and result.manifest.meta["turns"] == 20
+
+
+def test_stale_error_shard_of_an_unfinished_shard_is_not_committed(tmp_path, fakes):
+    fake = fakes()
+    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"), [sharegpt(i) for i in range(3)])
+    store = open_store(cfg.storage)
+    fp = prepared(cfg, store)
+    # A killed run wrote errors-00000 but died before gen-00000; this time the server is healthy.
+    datagen_output(cfg, store, fp).write_shard("errors-00000.jsonl", b'{"id": "c000", "reason": "timeout"}\n')
+    result = run_datagen(cfg, store, fp, [fake.url])
+    assert [s.name for s in result.manifest.shards] == ["gen-00000.jsonl", "gen-00001.jsonl"]
+    assert result.manifest.meta["errors"] == 0
+
+
+def test_fingerprint_ignores_only_operational_settings(tmp_path):
+    cfg = make_cfg(tmp_path, StorageConfig(), [sharegpt(0)])
+    fp = datagen_fingerprint(cfg, "p1")
+    same = cfg.model_copy(update={"datagen": cfg.datagen.model_copy(update={
+        "server_urls": ["http://x:1"], "concurrency_per_server": 64, "backoff_base_s": 3.0})})
+    assert datagen_fingerprint(same, "p1") == fp
+    hotter = cfg.model_copy(update={"datagen": cfg.datagen.model_copy(update={"temperature": 0.7})})
+    other_target = cfg.model_copy(update={"target": TargetConfig(path="/elsewhere", name="fake-model")})
+    assert len({fp, datagen_fingerprint(hotter, "p1"), datagen_fingerprint(other_target, "p1"),
+                datagen_fingerprint(cfg, "p2"), datagen_fingerprint(cfg, "p1", split="eval")}) == 5
+
+
+def test_config_errors(tmp_path):
+    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"), [sharegpt(0)])
+    store = open_store(cfg.storage)
+    with pytest.raises(ConfigError, match="datagen.server_urls"):
+        run_datagen(cfg, store, prepared(cfg, store), [])
+    with pytest.raises(ConfigError, match="server URLs must be http"):
+        parse_config({"target": {"path": "/x"}, "datagen": {"server_urls": ["localhost:30000"]}})
+    with pytest.raises(ConfigError, match="max_consecutive_failures"):
+        parse_config({"target": {"path": "/x"}, "datagen": {"max_retries": 5, "max_consecutive_failures": 6}})
+
+
+def test_task_retries_only_transient_failures():
+    pytest.importorskip("prefect")
+    from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, ServerCrashed
+    from drafter.store import CorruptObject, StoreError
+    from tasks.datagen import is_transient
+
+    assert is_transient(DatagenServerDown("http://h:1", "connection: refused", 10))
+    assert is_transient(ServerCrashed("exited", engine="reference"))
+    assert is_transient(HealthCheckTimeout("not ready", engine="reference"))
+    assert is_transient(StoreError("S3 unreachable"))
+    assert not is_transient(ServerConfigError("port taken", engine="reference"))
+    assert not is_transient(ConfigError([("datagen.server_urls", "none")]))
+    assert not is_transient(CorruptObject("k", "sha256 mismatch"))
+    assert not is_transient(ValueError("a bug"))
+
+
+def test_reference_engine_on_tiny_target(tmp_path, tiny_target):
+    """The real thing: our reference server on the tiny target, started, gated and torn down by
+    the serve machinery, regenerating a multi-turn conversation."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"),
+                   [sharegpt(0, turns=2), sharegpt(1)], max_tokens=6, shard_size=8)
+    cfg = cfg.model_copy(update={
+        "target": TargetConfig(path=str(tiny_target), name="tiny"),
+        # One torch thread: on a busy 2-core machine two threads made a lone request ~30x slower.
+        "serve": ServeConfig(engine="reference", port=port, device="cpu", log_dir=str(tmp_path / "logs"),
+                             extra_args=["--cpu-threads", "1"], startup_timeout_s=120, stall_timeout_s=60)})
+    store = open_store(cfg.storage)
+    fp = prepared(cfg, store)
+    with target_server(cfg) as served:
+        result = run_datagen(cfg, store, fp, [served.base_url])
+    records = list(iter_generations(store, result.manifest))
+    assert [r["id"] for r in records] == ["c000", "c001"]
+    assert [len(r["finish_reasons"]) for r in records] == [2, 1]
+    assert set(f for r in records for f in r["finish_reasons"]) <= {"stop", "length"}
+    assert all(0 < r["usage"]["completion_tokens"] <= 6 * len(r["finish_reasons"]) for r in records)
+    assert [m["role"] for m in records[0]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert not any("OLD" in m["content"] for r in records for m in r["messages"])
+    assert records[0]["gen"]["model"] == "tiny" and records[0]["gen"]["server"] == served.base_url
+    with socket.socket() as s:  # torn down: the port is free again
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.fixture(scope="module")
+def prefect_harness(tmp_path_factory):
+    from prefect.testing.utilities import prefect_test_harness
+
+    home = tmp_path_factory.mktemp("prefect")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREFECT_HOME", str(home))
+        mp.setenv("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(home / "results"))
+        with prefect_test_harness(server_startup_timeout=60):
+            yield
+
+
+def test_task_retries_a_server_down_and_resumes(tmp_path, fakes, prefect_harness):
+    from prefect import flow
+
+    from tasks.datagen import datagen_task
+
+    fake = fakes()
+    fake.fail = lambda body, attempt: 500 if 4 <= len(fake.received) - 1 < 8 else None  # a short outage
+    rows = [sharegpt(i) for i in range(8)]
+    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"), rows, concurrency_per_server=1)
+    cfg = cfg.model_copy(update={"datagen": cfg.datagen.model_copy(update={"server_urls": [fake.url]})})
+    fp = prepared(cfg, open_store(cfg.storage))
+
+    @flow
+    def once():
+        return datagen_task.with_options(retry_delay_seconds=0, retry_jitter_factor=None)(cfg, fp)
+
+    report = once()
+    assert not report["skipped"] and report["server_urls"] == [fake.url]
+    assert report["meta"]["generated"] == 8 and report["meta"]["resumed_shards"] == 2
+    answered = [last_user(b) for n, b in enumerate(fake.received) if not 4 <= n < 8]
+    assert sorted(answered) == sorted(f"question {i}.0" for i in range(8))  # each exactly once
+    assert once()["skipped"]
