@@ -388,9 +388,10 @@ def target_server(cfg: LifecycleConfig, on_line: Callable[[str], None] | None = 
                   log_dir: str | os.PathLike | None = None) -> Iterator[ServedTarget]:
     """Start the configured engine serving the TARGET ALONE (no drafter: speculation cannot
     change greedy answers and only adds start-up risk), wait until a real generation succeeds,
-    yield where it serves, and always tear it down. A failed start raises its typed
-    ServerStartError (drafter.serving.errors.is_retryable tells whether to try again)."""
-    from drafter.serving.check import new_log_path
+    yield where it serves, and always tear it down, also when the run is cancelled by SIGTERM
+    (in the main thread). A failed start raises its typed ServerStartError
+    (drafter.serving.errors.is_retryable tells whether to try again)."""
+    from drafter.serving.check import _sigterm_as_interrupt, new_log_path
     from drafter.serving.engines import make_engine
     from drafter.serving.gate import wait_until_ready
     from drafter.serving.launcher import ServerProcess, preflight
@@ -402,6 +403,6 @@ def target_server(cfg: LifecycleConfig, on_line: Callable[[str], None] | None = 
     spec = engine.build_launch(plain, None, log_path.parent)
     for note in preflight(spec, plain):
         log.info("datagen server preflight: %s", note)
-    with ServerProcess(spec, engine, log_path, on_line) as server:
+    with _sigterm_as_interrupt(), ServerProcess(spec, engine, log_path, on_line) as server:
         report = wait_until_ready(server, engine, spec, serve.startup_timeout_s, serve.stall_timeout_s)
         yield ServedTarget(spec.base_url, str(log_path), report.seconds_to_ready)
