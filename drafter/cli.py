@@ -79,6 +79,35 @@ def prepare(config: Path = ConfigOpt) -> None:
     typer.echo(json.dumps(result.manifest.meta, indent=2, default=str))
 
 
+@app.command("datagen")
+def datagen(config: Path = ConfigOpt,
+            server: list[str] = typer.Option([], help="OpenAI-compatible base URL (repeatable); "
+                                                      "default: datagen.server_urls, else start serve.engine"),
+            split: str = typer.Option("train", help="prepared split to regenerate")) -> None:
+    """Regenerate the assistant turns of the prepared prompts with the target."""
+    from contextlib import nullcontext
+
+    from drafter.datagen import datagen_output, run_datagen, target_server
+    from drafter.prepare import prepare_fingerprint
+    from drafter.store import open_store
+
+    cfg = _load(config)
+    store = open_store(cfg.storage)
+    prepare_fp = prepare_fingerprint(cfg.data)
+    urls = list(server) or list(cfg.datagen.server_urls)
+    needs_server = not urls and not datagen_output(cfg, store, prepare_fp, split).is_complete()
+    bar = _progress_bar("datagen", unit="conv")
+    with (target_server(cfg, on_line=lambda line: typer.echo(line, err=True)) if needs_server
+          else nullcontext()) as served:
+        if served is not None:
+            urls = [served.base_url]
+        result = run_datagen(cfg, store, prepare_fp, urls, progress=bar.update_to, split=split)
+    bar.close()
+    state = "skipped (already complete)" if result.skipped else "done"
+    typer.echo(f"datagen {state}: {result.uri}")
+    typer.echo(json.dumps(result.manifest.meta, indent=2, default=str))
+
+
 @app.command("serve")
 def serve(config: Path = ConfigOpt,
           check: bool = typer.Option(False, "--check",

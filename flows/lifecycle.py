@@ -6,12 +6,14 @@ from typing import Literal, Optional, get_args
 from prefect import flow
 
 from drafter.config import LifecycleConfig, load_config
+from drafter.prepare import prepare_fingerprint
+from tasks.datagen import datagen_task
 from tasks.prepare import prepare_task
 from tasks.serve import reap_left_servers, serve_task
 from tasks.target import ensure_target_task
 
 # Only stages that exist are offered (the UI shows this as a multi-select).
-Stage = Literal["prepare", "serve"]
+Stage = Literal["prepare", "datagen", "serve"]
 ALL_STAGES: list[str] = list(get_args(Stage))
 
 
@@ -20,26 +22,41 @@ def prepare_flow(cfg: LifecycleConfig) -> dict:
     return prepare_task(cfg)
 
 
-@flow(name="serve", log_prints=True, on_cancellation=[reap_left_servers], on_crashed=[reap_left_servers])
+REAP = dict(on_cancellation=[reap_left_servers], on_crashed=[reap_left_servers])
+
+
+@flow(name="datagen", log_prints=True, **REAP)
+def datagen_flow(cfg: LifecycleConfig, prepare_fp: str) -> dict:
+    """Regenerate the answers of the prepared prompts with the target (starts it when no URL is given)."""
+    return datagen_task(cfg, prepare_fp)
+
+
+@flow(name="serve", log_prints=True, **REAP)
 def serve_flow(cfg: LifecycleConfig) -> dict:
     """Start, gate and tear down the configured server (the drafter comes from serve.draft_path)."""
     return serve_task(cfg, cfg.serve.draft_path)
 
 
-STAGE_FLOWS = {"prepare": prepare_flow, "serve": serve_flow}
-
-
-@flow(name="drafter-lifecycle", log_prints=True,
-      on_cancellation=[reap_left_servers], on_crashed=[reap_left_servers])
+@flow(name="drafter-lifecycle", log_prints=True, **REAP)
 def drafter_lifecycle(profile: str = "profiles/demo.yaml",
                       config: Optional[LifecycleConfig] = None,
                       stages: list[Stage] = ALL_STAGES) -> dict:
-    """Run the selected stages in lifecycle order. `config` wins over `profile` when given."""
+    """Run the selected stages in lifecycle order. `config` wins over `profile` when given.
+
+    A stage that is not selected is not run, but its fingerprint still names the output the next
+    stage reads (fingerprints are pure functions of the configuration), so a single stage can be
+    started alone once its upstream outputs exist; if they do not, it fails naming what is missing.
+    """
     cfg = config if config is not None else load_config(profile)
     results: dict[str, dict] = {"target": ensure_target_task(cfg)}
-    for stage in ALL_STAGES:  # lifecycle order, whatever order the caller listed them in
-        if stage in stages:
-            results[stage] = STAGE_FLOWS[stage](cfg)
+    prepare_fp = prepare_fingerprint(cfg.data)
+    if "prepare" in stages:
+        results["prepare"] = prepare_flow(cfg)
+        prepare_fp = results["prepare"]["fingerprint"]
+    if "datagen" in stages:
+        results["datagen"] = datagen_flow(cfg, prepare_fp)
+    if "serve" in stages:
+        results["serve"] = serve_flow(cfg)
     return results
 
 

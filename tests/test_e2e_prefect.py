@@ -69,27 +69,38 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
         "name": "e2e",
         "target": {"path": str(tiny_target)},
         "data": {"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.1},
+        "datagen": {"max_tokens": 12, "shard_size": 16},
         "train": {"draft_vocab_size": 64},
         "dump": {"aux_layer_ids": [0, 1, 2]},
         "serve": {"engine": "reference", "device": "cpu", "port": free_port(), "log_dir": str(tmp_path / "logs"),
+                  "extra_args": ["--cpu-threads", "1"],
                   "startup_timeout_s": 180, "stall_timeout_s": 90},
         "storage": {"root": f"file://{store}"},
     }))
 
     first = run_deployment(prefect_env, profile)
     assert "Completed" in first
+    generated = list(store.glob("datagen/*/_SUCCESS.json"))
+    assert len(generated) == 1
+    gen_meta = json.loads(generated[0].read_text())["meta"]
     manifests = list(store.glob("prepare/*/_SUCCESS.json"))
     assert len(manifests) == 1
     meta = json.loads(manifests[0].read_text())["meta"]
     assert meta["train"] + meta["eval"] == 40
+    assert gen_meta["conversations"] == meta["train"] and gen_meta["generated"] >= 1
     before = manifests[0].stat().st_mtime_ns
+    gen_before = generated[0].stat().st_mtime_ns
 
     run_deployment(prefect_env, profile)
     assert manifests[0].stat().st_mtime_ns == before  # nothing rewritten
+    assert generated[0].stat().st_mtime_ns == gen_before
     logs = run_logs(prefect_env, store)
     assert logs.count("prepare: wrote") == 1
     assert "prepare: skipped, output already complete" in logs
+    assert logs.count("datagen: wrote") == 1
+    assert "datagen: skipped, output already complete" in logs
     # the serve stage started the reference engine, gated it on a generation, and tore it down
     assert logs.count("reference ready in") == 2
     assert re.search(r"\[server\] .*The server is fired up and ready to roll!", logs)
-    assert len(list((tmp_path / "logs").glob("reference-*.launch.json"))) == 2
+    # 3 launches: datagen's server (first run only; the second run skips it) + the serve stage twice
+    assert len(list((tmp_path / "logs").glob("reference-*.launch.json"))) == 3
