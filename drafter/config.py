@@ -186,8 +186,9 @@ class DumpConfig(Strict):
                                description="one worker per device; 'auto' = every visible GPU, else cpu")
     spool_dir: str | None = Field(
         None, description="local directory for shards before upload (default: the system temp dir); "
-                          "needs about (upload_queue + 2) x shard size per device")
+                          "needs about (upload_queue + upload_threads + 1) x shard size per device")
     upload_queue: int = Field(1, ge=1, description="finished shards waiting for upload per device")
+    upload_threads: int = Field(2, ge=1, description="shards uploaded (and verified) in parallel per device")
 
 
 class TrainConfig(Strict):

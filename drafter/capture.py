@@ -1,0 +1,168 @@
+"""Run the target over token sequences and capture, per token, what EAGLE-3 trains on: the outputs
+of the three aux layers and the final hidden state (after the final norm, the input of lm_head).
+
+Layer ids follow drafter.config.LAYER_ID_CONVENTION (id i = output of decoder layer i = Hugging
+Face `hidden_states[i + 1]`); loading and the range check are drafter.serving.hf_target's, so the
+serving and dump paths cannot drift apart.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drafter.config import LAYER_ID_CONVENTION
+from drafter.serving.hf_target import DTYPES, HFTarget, check_aux_layer_ids
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def resolve_dtype(dump_dtype: str, target_dtype: str, device: torch.device) -> torch.dtype:
+    """The first explicit setting of dump.dtype, target.dtype; else float32 on CPU (half precision
+    is slow there and tests compare exactly) and bfloat16 on GPU (half the bytes, what SpecForge
+    stores)."""
+    for setting in (dump_dtype, target_dtype):
+        if setting != "auto":
+            return DTYPES[setting]
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_devices(devices: list[str]) -> list[torch.device]:
+    """'auto' = every visible GPU (one worker each), else the CPU. One device type per run: the
+    dtype (and so the fingerprint) must not depend on which worker computed a shard."""
+    from drafter.serving.hf_target import resolve_device
+
+    out: list[torch.device] = []
+    for d in devices:
+        if d == "auto":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            out += [torch.device(f"cuda:{i}") for i in range(n)] or [torch.device("cpu")]
+        else:
+            out.append(resolve_device(d))
+    if not out:
+        raise ValueError("no devices given")
+    if len({d.type for d in out}) > 1:
+        raise ValueError(f"devices {[str(d) for d in out]} mix device types; use one type per run")
+    return out
+
+
+def target_fingerprint(model_path: str | Path) -> str:
+    """sha256 over config.json and the weight files' names and sizes: cheap (no weight is read) and
+    changes whenever a checkpoint is replaced."""
+    path = Path(model_path)
+    config = path / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"target {path}: no config.json")
+    weights = sorted((f.name, f.stat().st_size) for f in path.iterdir()
+                     if f.is_file() and (f.name.endswith(WEIGHT_SUFFIXES) or f.name.endswith(".index.json")))
+    if not any(name.endswith(WEIGHT_SUFFIXES) for name, _ in weights):
+        raise FileNotFoundError(f"target {path}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+    h = hashlib.sha256(config.read_bytes())
+    h.update(json.dumps(weights).encode())
+    return h.hexdigest()[:16]
+
+
+def check_capture_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    """Our convention's range check, plus: the last layer cannot be an aux layer. HF returns its
+    output only after the final norm, and SGLang captures aux states at the input of layer i + 1,
+    which does not exist for i = N - 1: the drafter would be trained on features serving never has."""
+    ids = check_aux_layer_ids(ids, num_layers)
+    if num_layers - 1 in ids:
+        raise ValueError(f"aux layer id {num_layers - 1} is the last decoder layer of a {num_layers}-layer "
+                         f"target ({LAYER_ID_CONVENTION}); it is the final hidden state, stored separately. "
+                         f"Use ids in 0..{num_layers - 2}")
+    return ids
+
+
+@dataclass
+class CaptureModel:
+    model: torch.nn.Module      # the CausalLM (hooks for tests go on it)
+    tokenizer: object           # this worker's own copy: HF fast tokenizers are not thread-safe
+    device: torch.device
+    dtype: torch.dtype
+    aux_layer_ids: list[int]
+    num_layers: int
+    hidden_size: int
+    pad_id: int
+
+
+# transformers' from_pretrained is not thread-safe (its meta-device init patches torch globally:
+# two concurrent loads failed with "Cannot copy out of meta tensor" on 2 GPUs): one load at a time.
+_LOAD_LOCK = threading.Lock()
+
+
+def load_capture_model(model_path: str, device: torch.device, dtype: torch.dtype,
+                       aux_layer_ids: list[int], trust_remote_code: bool = False) -> CaptureModel:
+    with _LOAD_LOCK:
+        target = HFTarget(model_path, device=str(device), dtype=dtype, trust_remote_code=trust_remote_code)
+    ids = check_capture_layer_ids(aux_layer_ids, target.num_layers)
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    return CaptureModel(model=target.model, tokenizer=tok, device=target.device, dtype=target.dtype,
+                        aux_layer_ids=ids, num_layers=target.num_layers, hidden_size=target.hidden_size,
+                        pad_id=int(pad))
+
+
+def warm_up_device(device: torch.device, dtype: torch.dtype) -> None:
+    """First use of a GPU's matmul and attention kernels, from the calling (main) thread.
+
+    Measured on 2 x H200: when two worker threads made the first CUDA calls of their devices at the
+    same time, the first shard of one worker differed from a one-GPU run by 1-2 bf16 ulps (4 of 4
+    fresh processes); with this warm-up first, 2 of 2 were byte-identical. Cheap, so always done."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(64, 64, device=device, dtype=dtype)
+    q = torch.randn(1, 4, 16, 16, device=device, dtype=dtype)
+    (a @ a).sum().item()
+    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().item()
+
+
+def plan_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
+    """Indices grouped into batches whose padded size (count x longest) fits the token budget.
+    Longest first, so each batch holds similar lengths (little padding); ties keep input order, so
+    the plan is a pure function of the lengths: a resumed shard gets the same batches, hence the
+    same floats. A sequence longer than the budget runs alone."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= tokens_per_batch:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def aux_from_hidden_states(hidden_states: tuple[torch.Tensor, ...], aux_layer_ids: list[int]) -> torch.Tensor:
+    """[B, L, 3, H] from HF `hidden_states` (embeddings first): id i -> hidden_states[i + 1]."""
+    return torch.stack([hidden_states[i + 1] for i in aux_layer_ids], dim=2)
+
+
+@torch.inference_mode()
+def capture_batch(cm: CaptureModel, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence: (aux [T, 3, H], final [T, H]) on the model's device, padding removed.
+
+    Right padding without an attention mask: under causal attention a real token never sees the
+    pads after it, so its states equal an unpadded run's up to float rounding of the longer kernels,
+    and SDPA keeps its is_causal fast path. The decoder runs without lm_head (no logits needed).
+    """
+    longest = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), longest), cm.pad_id, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+    decoder = cm.model.get_decoder() if hasattr(cm.model, "get_decoder") else cm.model
+    out = decoder(input_ids=ids.to(cm.device), use_cache=False, output_hidden_states=True)
+    hidden = out.hidden_states
+    if len(hidden) != cm.num_layers + 1:
+        raise RuntimeError(f"expected {cm.num_layers + 1} hidden states (embeddings + one per layer), "
+                           f"got {len(hidden)}: cannot map layer ids safely")
+    aux = aux_from_hidden_states(hidden, cm.aux_layer_ids)
+    final = out.last_hidden_state  # = hidden[-1]: after the final norm
+    return [(aux[row, :len(seq)], final[row, :len(seq)]) for row, seq in enumerate(sequences)]

@@ -1,0 +1,475 @@
+"""The `dump` stage: conversations -> the target's hidden states, as shards in object storage.
+
+Output (`dump/<fingerprint>/`): `hs-00000.safetensors`, ... (format: drafter.shards) and a manifest
+whose meta records what a reader must agree with: target fingerprint, tokenizer and chat-template
+hashes, dtype, `aux_layer_ids` + `layer_id_convention`, hidden size, counts, bytes per token, the
+storage projection and the quarantined samples.
+
+Shard i holds the samples [i*S, (i+1)*S) of the upstream order (S = dump.samples_per_shard), minus
+quarantined ones (bad record, template error, no assistant token, NaN/Inf states). Inside a shard
+the batches are a pure function of the token lengths and dump.tokens_per_batch, so a resumed run
+recomputes only the shards that were not verified yet, with the same float operations: the files
+are byte-identical to an uninterrupted run's (tested on CPU; seen on 2 x H200 for the same GPU
+model, see capture.warm_up_device).
+
+Fingerprint: what determines the bytes' meaning (upstream, target, tokenizer, chat template, aux
+ids + convention, resolved dtype, max_length, samples_per_shard, format version). Left out on
+purpose: devices, tokens_per_batch, spool_dir, upload_queue, upload_threads. tokens_per_batch and
+the GPU model can change the last bits of the floats (batch shapes pick kernels), never what they
+mean, and re-dumping terabytes because a resume runs on other GPUs would be the wrong trade. Each
+shard's marker records the device and tokens_per_batch that computed it.
+
+Workers: one thread per device, each owning every n-th pending shard with its own model copy, and
+upload threads behind a bounded queue, so the device computes shard i+1 while shard i uploads.
+"""
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import math
+import os
+import queue
+import re
+import shutil
+import sys
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drafter import capture
+from drafter.config import LAYER_ID_CONVENTION, ConfigError, LifecycleConfig
+from drafter.shards import (FINAL_HIDDEN, FORMAT, FORMAT_VERSION, NUM_AUX, HiddenStateShard, ShardWriter,
+                            bytes_per_token, storage_projection)
+from drafter.stage_output import Manifest, ShardInfo, StageOutput, fingerprint
+from drafter.store import ObjectStore
+from drafter.tokenize import template_hash, tokenize_conversation, tokenizer_hash
+
+log = logging.getLogger(__name__)
+
+STAGE = "dump"
+UPSTREAM_STAGES = ("prepare", "datagen")
+# Operational settings: how fast or where, never what the shards mean (see the module docstring).
+OPERATIONAL_FIELDS = frozenset({"devices", "tokens_per_batch", "spool_dir", "upload_queue", "upload_threads"})
+Progress = Callable[..., None]
+
+
+def shard_name(index: int) -> str:
+    return f"hs-{index:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    manifest: Manifest
+    skipped: bool
+    uri: str
+
+
+@dataclass
+class DumpPlan:
+    """Everything decided before a model is loaded (so a complete stage skips without one)."""
+
+    cfg: LifecycleConfig
+    upstream_stage: str
+    upstream_fingerprint: str
+    devices: list[torch.device]
+    dtype: torch.dtype
+    aux_layer_ids: list[int]
+    num_layers: int
+    hidden_size: int
+    tokenizer: object           # for the fingerprint; workers tokenise with their own copies
+    target_fingerprint: str
+    tokenizer_hash: str
+    template_hash: str
+
+    @property
+    def fingerprint(self) -> str:
+        dump = self.cfg.dump.model_dump(mode="json", exclude=OPERATIONAL_FIELDS | {"aux_layer_ids", "dtype"})
+        config = {"dump": dump, "dtype": capture.dtype_name(self.dtype), "target": self.target_fingerprint,
+                  "tokenizer": self.tokenizer_hash, "chat_template": self.template_hash,
+                  "aux_layer_ids": self.aux_layer_ids, "layer_id_convention": LAYER_ID_CONVENTION,
+                  "shard_format": [FORMAT, FORMAT_VERSION], "upstream_stage": self.upstream_stage}
+        return fingerprint(STAGE, config, [self.upstream_fingerprint])
+
+
+def plan_dump(cfg: LifecycleConfig, upstream_stage: str, upstream_fingerprint: str,
+              devices: list[str] | None = None) -> DumpPlan:
+    from transformers import AutoTokenizer
+
+    if upstream_stage not in UPSTREAM_STAGES:
+        raise ValueError(f"dump reads the output of {UPSTREAM_STAGES}, not {upstream_stage!r}")
+    try:
+        devs = capture.resolve_devices(devices or cfg.dump.devices)
+    except ValueError as e:
+        raise ConfigError([("dump.devices", str(e))]) from None
+    shape = cfg.target.resolved_shape()
+    num_layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
+    if num_layers is None or hidden is None:
+        raise ConfigError([("target.path", f"{cfg.target.path}: no config.json with num_hidden_layers "
+                                           f"and hidden_size")])
+    try:
+        ids = capture.check_capture_layer_ids(cfg.aux_layer_ids(), num_layers)
+    except ValueError as e:
+        raise ConfigError([("dump.aux_layer_ids", str(e))]) from None
+    tok = AutoTokenizer.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
+    return DumpPlan(cfg=cfg, upstream_stage=upstream_stage, upstream_fingerprint=upstream_fingerprint,
+                    devices=devs, dtype=capture.resolve_dtype(cfg.dump.dtype, cfg.target.dtype, devs[0]),
+                    aux_layer_ids=ids, num_layers=num_layers, hidden_size=hidden, tokenizer=tok,
+                    target_fingerprint=capture.target_fingerprint(cfg.target.path),
+                    tokenizer_hash=tokenizer_hash(tok), template_hash=template_hash(tok))
+
+
+def dump_output(store: ObjectStore, plan: DumpPlan) -> StageOutput:
+    return StageOutput(store, STAGE, plan.fingerprint)
+
+
+# ---- upstream
+
+
+def read_conversations(store: ObjectStore, stage: str, fp: str) -> list[dict]:
+    """Upstream records in order: prepare's `train.jsonl`, or datagen's `gen-NNNNN.jsonl` shards."""
+    out = StageOutput(store, stage, fp)
+    manifest = out.load_manifest()  # refuses an uncommitted upstream
+    if stage == "prepare":
+        names = ["train.jsonl"]
+    else:
+        names = sorted(s.name for s in manifest.shards if re.fullmatch(r"gen-\d+\.jsonl", s.name))
+    records = []
+    for name in names:
+        text = out.read_shard(name).decode("utf-8")
+        # split("\n"), not splitlines(): the JSON text may hold raw U+2028 / U+0085 separators.
+        records += [json.loads(line) for line in text.split("\n") if line]
+    return records
+
+
+def _check_record(rec) -> str | None:
+    """None if usable, else the quarantine reason."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("id"), (str, int)):
+        return "bad_record"
+    msgs = rec.get("messages")
+    if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in msgs):
+        return "bad_record"
+    return None
+
+
+# ---- one shard
+
+
+@dataclass
+class BuiltShard:
+    path: Path
+    meta: dict
+
+
+def build_shard(cm: capture.CaptureModel, plan: DumpPlan, index: int, records: list[dict],
+                spool_dir: Path) -> BuiltShard:
+    """Tokenise, capture in token-budget batches, drop non-finite samples, write the shard file."""
+    dump = plan.cfg.dump
+    samples, quarantined, truncated = [], [], 0
+    for pos, rec in enumerate(records):
+        reason = _check_record(rec)
+        if reason is None:
+            try:
+                ids, mask = tokenize_conversation(cm.tokenizer, rec["messages"], sys.maxsize)
+            except Exception as e:  # a template that rejects this conversation (roles, order)
+                log.warning("sample %s: chat template failed: %s", rec.get("id"), e)
+                reason = "template_error"
+        if reason is None:
+            truncated += len(ids) > dump.max_length
+            ids, mask = ids[:dump.max_length], mask[:dump.max_length]
+            reason = None if any(mask) else "no_loss_tokens"
+        if reason is not None:
+            rid = rec.get("id") if isinstance(rec, dict) else None
+            quarantined.append({"id": str(rid) if rid is not None else f"#{index}.{pos}", "reason": reason})
+            continue
+        samples.append((str(rec["id"]), ids, mask))
+
+    writer = ShardWriter(spool_dir, metadata={"aux_layer_ids": plan.aux_layer_ids,
+                                              "layer_id_convention": LAYER_ID_CONVENTION})
+    try:
+        batches = capture.plan_batches([len(s[1]) for s in samples], dump.tokens_per_batch)
+        loss_tokens = 0
+        for batch in batches:
+            captured = capture.capture_batch(cm, [samples[j][1] for j in batch])
+            for j, (aux, final) in zip(batch, captured):
+                sid, ids, mask = samples[j]
+                if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+                    quarantined.append({"id": sid, "reason": "nonfinite"})
+                    continue
+                writer.add(sid, ids, mask, aux, final)
+                loss_tokens += sum(mask)
+        meta = {"index": index, "samples": len(writer), "tokens": writer.num_tokens, "loss_tokens": loss_tokens,
+                "truncated": truncated, "quarantined": quarantined, "batches": len(batches),
+                "device": str(cm.device), "tokens_per_batch": dump.tokens_per_batch}
+        h = cm.hidden_size
+        path = writer.finish(spool_dir / shard_name(index), empty_like={
+            "input_ids": (torch.int64, ()), "loss_mask": (torch.uint8, ()),
+            "aux_hidden_states": (cm.dtype, (NUM_AUX, h)), "hidden_states": (cm.dtype, (h,))})
+    except BaseException:
+        writer.discard()
+        raise
+    return BuiltShard(path=path, meta=meta)
+
+
+# ---- workers
+
+
+def _thread(fn: Callable[[], None], name: str, daemon: bool = False) -> threading.Thread:
+    """A thread that runs in a copy of the caller's context: the progress callback and logging of
+    an orchestrator (Prefect keeps its run context in contextvars) keep working from it."""
+    ctx = contextvars.copy_context()
+    return threading.Thread(target=ctx.run, args=(fn,), name=name, daemon=daemon)
+
+
+class _Uploader:
+    """Uploads finished shard files from background threads, behind a bounded queue: compute blocks
+    when uploads fall behind, so local disk holds at most depth + threads + 1 shards per worker.
+    Several threads: a verified upload reads the file twice and writes it once (hash, put,
+    read-back hash), which on a GPU host is slower than computing the next shard."""
+
+    def __init__(self, out: StageOutput, on_done: Callable[[str], None], depth: int, threads: int):
+        self.out, self.on_done = out, on_done
+        self.error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._threads = [_thread(self._loop, f"dump-upload-{k}", daemon=True) for k in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            name, built = item
+            try:
+                if self.error is None:  # after a failure: only drain and clean up
+                    self.out.write_shard(name, built.path, meta=built.meta)
+                    self.on_done(name)
+            except BaseException as e:
+                self.error = e
+            finally:
+                built.path.unlink(missing_ok=True)
+
+    def put(self, name: str, built: BuiltShard) -> None:
+        if self.error is not None:
+            built.path.unlink(missing_ok=True)
+            raise self.error
+        self._queue.put((name, built))
+
+    def close(self, raise_error: bool = True) -> None:
+        """Wait for the queued shards (finished work is worth keeping), then report a failure."""
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+        if raise_error and self.error is not None:
+            raise self.error
+
+
+def _worker(plan: DumpPlan, device: torch.device, indices: list[int], records: dict[int, list[dict]],
+            out: StageOutput, spool: Path, on_done: Callable[[str], None], stop: threading.Event) -> None:
+    cm = capture.load_capture_model(plan.cfg.target.path, device, plan.dtype, plan.aux_layer_ids,
+                                    plan.cfg.target.trust_remote_code)
+    uploader = _Uploader(out, on_done, plan.cfg.dump.upload_queue, plan.cfg.dump.upload_threads)
+    try:
+        for i in indices:
+            if stop.is_set():
+                break
+            uploader.put(shard_name(i), build_shard(cm, plan, i, records.pop(i), spool))
+    except BaseException:
+        uploader.close(raise_error=False)  # the compute error is the one to report
+        raise
+    uploader.close()
+
+
+def _spool_dir(root: str | None, fp: str) -> Path:
+    """A private spool directory; spools of killed runs of this output (dead pid) are removed."""
+    base = Path(root or tempfile.gettempdir()).expanduser()
+    base.mkdir(parents=True, exist_ok=True)
+    for stale in base.glob(f"drafter-dump-{fp}-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    path = base / f"drafter-dump-{fp}-{os.getpid()}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _run_workers(plan: DumpPlan, out: StageOutput, pending: list[int], records: dict[int, list[dict]],
+                 progress: Progress | None, done_before: int, total: int) -> None:
+    devices = plan.devices[:len(pending)]  # no model load for a device without work
+    lock, done = threading.Lock(), [done_before]
+
+    def on_done(name: str) -> None:
+        with lock:
+            done[0] += 1
+            if progress is not None:
+                try:
+                    progress(done[0], total)
+                except Exception as e:  # a progress display must never fail the stage
+                    log.warning("progress callback failed: %s", e)
+
+    if progress is not None and done_before:
+        progress(done_before, total)  # a resumed run starts where the last one stopped
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    spool = _spool_dir(plan.cfg.dump.spool_dir, plan.fingerprint)
+
+    def run(k: int, device: torch.device) -> None:
+        try:
+            _worker(plan, device, pending[k::len(devices)], records, out, spool, on_done, stop)
+        except BaseException as e:
+            errors.append(e)
+            stop.set()  # the other workers finish their current shard and stop
+
+    threads_before = torch.get_num_threads()
+    if devices[0].type == "cpu" and len(devices) > 1:
+        # CPU workers share the cores: oversubscribed OpenMP pools spin against each other and run
+        # many times slower than one pool (measured 13x on 2 cores).
+        torch.set_num_threads(max(1, threads_before // len(devices)))
+    for device in devices:
+        capture.warm_up_device(device, plan.dtype)
+    try:
+        if len(devices) == 1:  # no thread: tracebacks and debuggers stay simple
+            run(0, devices[0])
+        else:
+            threads = [_thread(lambda k=k, d=d: run(k, d), f"dump-{d}") for k, d in enumerate(devices)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        torch.set_num_threads(threads_before)
+        shutil.rmtree(spool, ignore_errors=True)
+    if errors:
+        raise errors[0]
+
+
+# ---- the stage
+
+
+def run_dump(cfg: LifecycleConfig, store: ObjectStore, upstream_stage: str, upstream_fingerprint: str,
+             progress: Progress | None = None, devices: list[str] | None = None) -> DumpResult:
+    plan = plan_dump(cfg, upstream_stage, upstream_fingerprint, devices)
+    out = dump_output(store, plan)
+    if out.is_complete():
+        return DumpResult(manifest=out.load_manifest(), skipped=True, uri=out.uri)
+    conversations = read_conversations(store, upstream_stage, upstream_fingerprint)
+    if not conversations:
+        raise ValueError(f"{upstream_stage}/{upstream_fingerprint} holds no conversations")
+    size = cfg.dump.samples_per_shard
+    names = [shard_name(i) for i in range(math.ceil(len(conversations) / size))]
+    done = out.completed_shards()
+    pending = [i for i, name in enumerate(names) if name not in done]
+    records = {i: conversations[i * size:(i + 1) * size] for i in pending}
+    del conversations
+    if pending:
+        log.info("dump %s: %d of %d shards to compute on %s", out.uri, len(pending), len(names),
+                 ", ".join(map(str, plan.devices[:len(pending)])))
+        _run_workers(plan, out, pending, records, progress, len(names) - len(pending), len(names))
+    shards = out.completed_shards()
+    manifest = out.commit(summarize(plan, [shards[n] for n in names if n in shards]), expect=names)
+    return DumpResult(manifest=manifest, skipped=False, uri=out.uri)
+
+
+def summarize(plan: DumpPlan, shards: list[ShardInfo]) -> dict:
+    """Manifest meta from the shard markers (so a resumed run counts shards it did not compute)."""
+    tokens = sum(s.meta["tokens"] for s in shards)
+    total_bytes = sum(s.size for s in shards)
+    quarantined = [q for s in shards for q in s.meta["quarantined"]]
+    dtype = capture.dtype_name(plan.dtype)
+    bpt = total_bytes / tokens if tokens else 0.0
+    return {
+        "upstream": {"stage": plan.upstream_stage, "fingerprint": plan.upstream_fingerprint},
+        "target_path": plan.cfg.target.path,
+        "target_fingerprint": plan.target_fingerprint,
+        "tokenizer_hash": plan.tokenizer_hash,
+        "chat_template_hash": plan.template_hash,
+        "dtype": dtype,
+        "aux_layer_ids": plan.aux_layer_ids,
+        "layer_id_convention": LAYER_ID_CONVENTION,
+        "final_hidden_state": FINAL_HIDDEN,
+        "hidden_size": plan.hidden_size,
+        "num_hidden_layers": plan.num_layers,
+        "max_length": plan.cfg.dump.max_length,
+        "samples_per_shard": plan.cfg.dump.samples_per_shard,
+        "shard_format": {"name": FORMAT, "version": FORMAT_VERSION},
+        "num_shards": len(shards),
+        "num_samples": sum(s.meta["samples"] for s in shards),
+        "num_tokens": tokens,
+        "num_loss_tokens": sum(s.meta["loss_tokens"] for s in shards),
+        "truncated": sum(s.meta["truncated"] for s in shards),
+        "bytes": total_bytes,
+        "bytes_per_token": round(bpt, 2),
+        "payload_bytes_per_token": bytes_per_token(plan.hidden_size, dtype),
+        "storage_projection": storage_projection(bpt, tokens, plan.hidden_size, dtype),
+        "quarantined": {"total": len(quarantined),
+                        "by_reason": dict(sorted(Counter(q["reason"] for q in quarantined).items())),
+                        "samples": quarantined},
+    }
+
+
+# ---- the reader (training side)
+
+
+class DumpMismatch(ValueError):
+    """The dump was made with other layer ids or another convention than the reader expects."""
+
+
+def check_dump_manifest(manifest: Manifest, expect_aux_layer_ids: list[int],
+                        expect_layer_id_convention: str = LAYER_ID_CONVENTION) -> None:
+    """Refuse hidden states captured at other layers than the caller will train / serve with
+    (field note 4: trained on [2, 30, 58], served expecting [-1, 2, 30])."""
+    if manifest.stage != STAGE:
+        raise DumpMismatch(f"expected a {STAGE!r} manifest, got stage {manifest.stage!r}")
+    meta = manifest.meta
+    got_conv, got_ids = meta.get("layer_id_convention"), meta.get("aux_layer_ids")
+    problems = []
+    if got_conv != expect_layer_id_convention:
+        problems.append(f"layer_id_convention: dump has {got_conv!r}, expected {expect_layer_id_convention!r}")
+    if got_ids is None or [int(i) for i in got_ids] != [int(i) for i in expect_aux_layer_ids]:
+        problems.append(f"aux_layer_ids: dump has {got_ids}, expected {list(expect_aux_layer_ids)}")
+    if problems:
+        raise DumpMismatch(f"hidden states {STAGE}/{manifest.fingerprint} do not match: " + "; ".join(problems))
+
+
+def iter_dump_samples(store: ObjectStore, manifest: Manifest | str, *, expect_aux_layer_ids: list[int],
+                      expect_layer_id_convention: str = LAYER_ID_CONVENTION,
+                      workdir: str | Path | None = None) -> Iterator[dict]:
+    """Samples of a committed dump, shard by shard in manifest order: dicts with `id`, `input_ids`,
+    `loss_mask`, `aux_hidden_states` [T, 3, H], `hidden_states` [T, H] (memory-mapped views).
+    Each shard is downloaded and checked against its sha256 (the next one downloads while the
+    current one is read); the manifest is checked against the expected layer ids first."""
+    out = StageOutput(store, STAGE, manifest if isinstance(manifest, str) else manifest.fingerprint)
+    manifest = out.load_manifest()
+    check_dump_manifest(manifest, expect_aux_layer_ids, expect_layer_id_convention)
+    with tempfile.TemporaryDirectory(prefix="dump-read-", dir=workdir) as tmp, \
+            ThreadPoolExecutor(max_workers=1) as pool:
+        fetch = lambda name: out.download_shard(name, Path(tmp) / name)
+        names = [s.name for s in manifest.shards]
+        future = pool.submit(fetch, names[0]) if names else None
+        for k, name in enumerate(names):
+            path = future.result()
+            future = pool.submit(fetch, names[k + 1]) if k + 1 < len(names) else None
+            shard = HiddenStateShard(path)
+            if shard.aux_layer_ids != manifest.meta["aux_layer_ids"]:
+                raise DumpMismatch(f"{name}: shard aux_layer_ids {shard.aux_layer_ids} differ from the "
+                                   f"manifest's {manifest.meta['aux_layer_ids']}")
+            yield from shard
+            del shard
+            path.unlink()  # views already handed out stay valid: the mapping outlives the name
