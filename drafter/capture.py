@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from drafter.config import LAYER_ID_CONVENTION
-from drafter.serving.hf_target import DTYPES, HFTarget, check_aux_layer_ids
+from drafter.serving.hf_target import DTYPES, HFTarget, aux_from_hidden_states, check_aux_layer_ids
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -70,18 +70,6 @@ def target_fingerprint(model_path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def check_capture_layer_ids(ids: list[int], num_layers: int) -> list[int]:
-    """Our convention's range check, plus: the last layer cannot be an aux layer. HF returns its
-    output only after the final norm, and SGLang captures aux states at the input of layer i + 1,
-    which does not exist for i = N - 1: the drafter would be trained on features serving never has."""
-    ids = check_aux_layer_ids(ids, num_layers)
-    if num_layers - 1 in ids:
-        raise ValueError(f"aux layer id {num_layers - 1} is the last decoder layer of a {num_layers}-layer "
-                         f"target ({LAYER_ID_CONVENTION}); it is the final hidden state, stored separately. "
-                         f"Use ids in 0..{num_layers - 2}")
-    return ids
-
-
 @dataclass
 class CaptureModel:
     model: torch.nn.Module      # the CausalLM (hooks for tests go on it)
@@ -103,7 +91,7 @@ def load_capture_model(model_path: str, device: torch.device, dtype: torch.dtype
                        aux_layer_ids: list[int], trust_remote_code: bool = False) -> CaptureModel:
     with _LOAD_LOCK:
         target = HFTarget(model_path, device=str(device), dtype=dtype, trust_remote_code=trust_remote_code)
-    ids = check_capture_layer_ids(aux_layer_ids, target.num_layers)
+    ids = check_aux_layer_ids(aux_layer_ids, target.num_layers)
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     return CaptureModel(model=target.model, tokenizer=tok, device=target.device, dtype=target.dtype,
@@ -138,11 +126,6 @@ def plan_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
         else:
             batches.append([i])
     return batches
-
-
-def aux_from_hidden_states(hidden_states: tuple[torch.Tensor, ...], aux_layer_ids: list[int]) -> torch.Tensor:
-    """[B, L, 3, H] from HF `hidden_states` (embeddings first): id i -> hidden_states[i + 1]."""
-    return torch.stack([hidden_states[i + 1] for i in aux_layer_ids], dim=2)
 
 
 @torch.inference_mode()

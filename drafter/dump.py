@@ -114,7 +114,7 @@ def plan_dump(cfg: LifecycleConfig, upstream_stage: str, upstream_fingerprint: s
         raise ConfigError([("target.path", f"{cfg.target.path}: no config.json with num_hidden_layers "
                                            f"and hidden_size")])
     try:
-        ids = capture.check_capture_layer_ids(cfg.aux_layer_ids(), num_layers)
+        ids = capture.check_aux_layer_ids(cfg.aux_layer_ids(), num_layers)
     except ValueError as e:
         raise ConfigError([("dump.aux_layer_ids", str(e))]) from None
     tok = AutoTokenizer.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)

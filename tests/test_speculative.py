@@ -291,7 +291,7 @@ def test_engine_checks_drafter_against_target(random_pair, tiny_target, tmp_path
     target = HFTarget(random_pair[0], device="cpu")
     with pytest.raises(ValueError, match="out of range.*output-of-layer-0-based.*hidden_states\\[i \\+ 1\\]"):
         target.set_aux_layer_ids([1, 2, 4])
-    other = init_random_drafter(tiny_target, tmp_path / "d", aux_layer_ids=[0, 1, 3])
+    other = init_random_drafter(tiny_target, tmp_path / "d", aux_layer_ids=[2, 0, 1])
     engine = SpeculativeEngine(target, load_drafter(other), 2)
-    assert target.aux_layer_ids == [0, 1, 3]
+    assert target.aux_layer_ids == [2, 0, 1]
     assert engine.generate([0, 1], SamplingParams(max_new_tokens=3)).completion_tokens == 3

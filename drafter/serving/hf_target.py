@@ -44,15 +44,25 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype: 
 
 
 def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    """Our convention's range check. The last layer (N - 1) is excluded: HF returns its output only
+    after the final norm, and SGLang captures aux states at the input of layer i + 1, which does not
+    exist for i = N - 1, so a drafter would be trained on features serving never has."""
     ids = [int(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < num_layers]
+    bad = [i for i in ids if not 0 <= i < num_layers - 1]
     if bad:
         raise ValueError(
             f"aux layer ids {bad} out of range for a target with {num_layers} decoder layers. "
             f"Convention {LAYER_ID_CONVENTION!r}: id i = output of decoder layer i (0-based) = HF "
-            f"hidden_states[i + 1], so valid ids are 0..{num_layers - 1}. Ids in the 'input of "
-            "layer i' convention (vLLM speculators, ModelOpt) are one higher.")
+            f"hidden_states[i + 1], so valid ids are 0..{num_layers - 2} (the last layer's output is "
+            "the final hidden state). Ids in the 'input of layer i' convention (vLLM speculators, "
+            "ModelOpt) are one higher.")
     return ids
+
+
+def aux_from_hidden_states(hidden_states: tuple[torch.Tensor, ...], aux_layer_ids: list[int]) -> torch.Tensor:
+    """[B, L, 3, H] from HF `hidden_states` (embeddings first): id i -> hidden_states[i + 1].
+    The one place the convention is turned into an index."""
+    return torch.stack([hidden_states[i + 1] for i in aux_layer_ids], dim=2)
 
 
 @dataclass
@@ -132,7 +142,7 @@ class HFTarget:
         if want_aux:
             if self.aux_layer_ids is None:
                 raise ValueError("aux features requested but no aux layer ids are set")
-            aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layer_ids], dim=-1)
+            aux = aux_from_hidden_states(out.hidden_states, self.aux_layer_ids).flatten(-2)  # [B, T, 3H]
         return TargetOutput(logits=out.logits.float(), aux=aux)
 
 
