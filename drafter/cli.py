@@ -108,6 +108,39 @@ def datagen(config: Path = ConfigOpt,
     typer.echo(json.dumps(result.manifest.meta, indent=2, default=str))
 
 
+@app.command("dump")
+def dump(config: Path = ConfigOpt,
+         device: list[str] = typer.Option([], help="device per worker (repeatable); default: dump.devices")) -> None:
+    """Capture the target's aux + final hidden states as verified shards in the object store."""
+    from drafter.datagen import datagen_fingerprint
+    from drafter.dump import run_dump
+    from drafter.prepare import prepare_fingerprint
+    from drafter.store import open_store
+
+    cfg = _load(config)
+    prepare_fp = prepare_fingerprint(cfg.data)
+    upstream = {"prepare": prepare_fp, "datagen": datagen_fingerprint(cfg, prepare_fp)}[cfg.dump.upstream]
+    bar = _progress_bar("dump", unit="shard")
+    result = run_dump(cfg, open_store(cfg.storage), cfg.dump.upstream, upstream, progress=bar.update_to,
+                      devices=list(device) or None)
+    bar.close()
+    meta = result.manifest.meta
+    state = "skipped (already complete)" if result.skipped else "done"
+    typer.echo(f"dump {state}: {result.uri}")
+    typer.echo(f"{meta['num_samples']} samples, {meta['num_tokens']} tokens, "
+               f"{meta['bytes_per_token']:.0f} bytes/token; storage: {meta['storage_projection']}")
+
+
+@app.command("storage-estimate")
+def storage_estimate(tokens: float = typer.Option(..., help="corpus size in tokens, e.g. 87.8e6"),
+                     hidden: int = typer.Option(..., help="target hidden size, e.g. 7168"),
+                     dtype: str = typer.Option("bfloat16", help="stored dtype")) -> None:
+    """How much object storage the hidden-state dump of a corpus needs (3 aux + final per token)."""
+    from drafter.shards import project_corpus
+
+    typer.echo(project_corpus(int(tokens), hidden, dtype))
+
+
 @app.command("serve")
 def serve(config: Path = ConfigOpt,
           check: bool = typer.Option(False, "--check",

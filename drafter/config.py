@@ -175,6 +175,8 @@ class DatagenConfig(Strict):
 class DumpConfig(Strict):
     """Capturing the target's hidden states."""
 
+    upstream: Literal["datagen", "prepare"] = Field(
+        "datagen", description="dump the regenerated answers (datagen) or the corpus as prepared")
     aux_layer_ids: list[int] | None = Field(
         None, min_length=3, max_length=3,
         description="0-based 'output of layer i' ids (SGLang/SpecForge); default [1, N//2-1, N-4]")

@@ -19,7 +19,12 @@ echo "== local Prefect server and worker"
 "$ROOT/infra/prefect-up.sh"
 
 echo "== prefect deployment run drafter-lifecycle/full --watch"
-"$PREFECT" deployment run drafter-lifecycle/full --param "profile=$PROFILE" --watch
+run_log="$RUN_DIR/last-demo-run.log"
+"$PREFECT" deployment run drafter-lifecycle/full --param "profile=$PROFILE" --watch | tee "$run_log"
+run_id=$(grep -oE 'prefect\.flow-run\.[0-9a-f-]{36}' "$run_log" | head -1 | sed 's/prefect\.flow-run\.//')
+
+echo "== stages (from the flow run's log)"
+"$PREFECT" flow-run logs "$run_id" 2>/dev/null | grep -oE 'stage [a-z]+: .*' || echo "(see the Prefect UI for run $run_id)"
 
 echo "== outputs"
 "$VENV/bin/drafter" outputs --config "$PROFILE"

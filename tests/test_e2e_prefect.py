@@ -71,7 +71,7 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
         "data": {"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.1},
         "datagen": {"max_tokens": 12, "shard_size": 16},
         "train": {"draft_vocab_size": 64},
-        "dump": {"aux_layer_ids": [0, 1, 2]},
+        "dump": {"aux_layer_ids": [0, 1, 2], "max_length": 64, "samples_per_shard": 8, "devices": ["cpu"]},
         "serve": {"engine": "reference", "device": "cpu", "port": free_port(), "log_dir": str(tmp_path / "logs"),
                   "extra_args": ["--cpu-threads", "1"],
                   "startup_timeout_s": 180, "stall_timeout_s": 90},
@@ -90,6 +90,11 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
     assert gen_meta["conversations"] == meta["train"] and gen_meta["generated"] >= 1
     before = manifests[0].stat().st_mtime_ns
     gen_before = generated[0].stat().st_mtime_ns
+    dumped = list(store.glob("dump/*/_SUCCESS.json"))
+    assert len(dumped) == 1
+    dump_meta = json.loads(dumped[0].read_text())["meta"]
+    assert dump_meta["aux_layer_ids"] == [0, 1, 2] and dump_meta["upstream"] == {"stage": "datagen", "fingerprint": generated[0].parent.name}
+    assert dump_meta["num_samples"] + dump_meta["quarantined"]["total"] == gen_meta["generated"]
 
     run_deployment(prefect_env, profile)
     assert manifests[0].stat().st_mtime_ns == before  # nothing rewritten
@@ -99,6 +104,8 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
     assert "prepare: skipped, output already complete" in logs
     assert logs.count("datagen: wrote") == 1
     assert "datagen: skipped, output already complete" in logs
+    assert logs.count("dump: wrote") == 1
+    assert "dump: skipped, output already complete" in logs
     # the serve stage started the reference engine, gated it on a generation, and tore it down
     assert logs.count("reference ready in") == 2
     assert re.search(r"\[server\] .*The server is fired up and ready to roll!", logs)
