@@ -1,0 +1,45 @@
+"""Which failures the stage tasks retry: transient storage trouble yes; configuration errors,
+corrupted objects and missing upstream outputs never."""
+
+import pytest
+
+from drafter.config import ConfigError
+from drafter.datagen import DatagenServerDown
+from drafter.serving.errors import ServerConfigError, ServerStalled
+from drafter.store import CorruptObject, ObjectNotFound, StoreError
+from tasks.common import retry_transient
+from tasks.datagen import retry_datagen
+from tasks.serve import retry_server_start
+
+
+class FailedState:
+    def __init__(self, exc):
+        self.exc = exc
+
+    def result(self, raise_on_failure=True):
+        return self.exc
+
+
+@pytest.mark.parametrize("exc, retried", [
+    (StoreError("connection reset talking to the store"), True),
+    (ConnectionError("refused"), True),
+    (ConfigError([("dump.aux_layer_ids", "bad")]), False),
+    (CorruptObject("dump/x/hs-00000.safetensors", "sha256 mismatch"), False),
+    (ObjectNotFound("datagen is not committed: no manifest datagen/abc/_SUCCESS.json"), False),
+    (ValueError("a bug"), False),
+])
+def test_stage_retry_policy(exc, retried):
+    assert retry_transient(None, None, FailedState(exc)) is retried
+
+
+def test_datagen_retries_a_server_that_went_down_but_not_bad_config():
+    assert retry_datagen(None, None, FailedState(DatagenServerDown("http://x", "500", 10)))
+    assert retry_datagen(None, None, FailedState(ServerStalled("stuck", phase="cuda_graph")))
+    assert not retry_datagen(None, None, FailedState(ServerConfigError("port taken")))
+    assert not retry_datagen(None, None, FailedState(ObjectNotFound("prepare is not committed")))
+
+
+def test_serve_retries_only_typed_start_failures():
+    assert retry_server_start(None, None, FailedState(ServerStalled("stuck", phase="cuda_graph")))
+    assert not retry_server_start(None, None, FailedState(ServerConfigError("bad flags")))
+    assert not retry_server_start(None, None, FailedState(RuntimeError("other")))
