@@ -518,15 +518,28 @@ def read_target_config(target_dir: str | Path) -> dict[str, Any]:
     return data.get("text_config", data)
 
 
+def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    """Our convention's range check. The last layer (N - 1) is excluded: HF returns its output only
+    after the final norm, and SGLang captures aux states at the input of layer i + 1, which does not
+    exist for i = N - 1, so a drafter would be trained on features serving never has."""
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < num_layers - 1]
+    if bad:
+        raise ValueError(
+            f"aux layer ids {bad} out of range for a target with {num_layers} decoder layers. "
+            f"Convention {LAYER_ID_CONVENTION!r}: id i = output of decoder layer i (0-based) = HF "
+            f"hidden_states[i + 1], so valid ids are 0..{num_layers - 2} (the last layer's output is "
+            "the final hidden state). Ids in the 'input of layer i' convention (vLLM speculators, "
+            "ModelOpt) are one higher.")
+    return ids
+
+
 def draft_config_for_target(target: dict[str, Any], aux_layer_ids: list[int] | None = None,
                             draft_vocab_size: int | None = None) -> Eagle3DraftConfig:
     """A drafter config shaped like the target's layers (what SpecForge does by default)."""
     layers = target["num_hidden_layers"]
-    ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(layers)
-    bad = [i for i in ids if not 0 <= i < layers]
-    if bad:
-        raise ValueError(f"aux layer ids {bad} out of range for a target with {layers} layers "
-                         f"(convention {LAYER_ID_CONVENTION}: ids 0..{layers - 1})")
+    ids = default_aux_layer_ids(layers) if aux_layer_ids is None else aux_layer_ids
+    ids = check_aux_layer_ids(ids, layers)  # the serving target's check: it must capture them
     vocab = target["vocab_size"]
     rope = target.get("rope_parameters") or {}
     scaling = target.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)

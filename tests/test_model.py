@@ -236,5 +236,8 @@ def test_rope_matches_transformers(scaling):
 def test_init_random_drafter_checks_layer_ids(tiny_target, tmp_path):
     with pytest.raises(ValueError, match="out of range.*output-of-layer-0-based"):
         init_random_drafter(tiny_target, tmp_path / "bad", aux_layer_ids=[1, 2, 4])
-    path = init_random_drafter(tiny_target, tmp_path / "ok", aux_layer_ids=[0, 1, 3], seed=1)
-    assert load_drafter(path).config.aux_layer_ids == [0, 1, 3]
+    # The last layer (3 of 4) has no output SGLang or HFTarget can capture: refused here too.
+    with pytest.raises(ValueError, match=r"\[3\] out of range.*valid ids are 0\.\.2"):
+        init_random_drafter(tiny_target, tmp_path / "last", aux_layer_ids=[0, 1, 3])
+    path = init_random_drafter(tiny_target, tmp_path / "ok", aux_layer_ids=[0, 1, 2], seed=1)
+    assert load_drafter(path).config.aux_layer_ids == [0, 1, 2]

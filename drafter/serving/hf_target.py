@@ -13,13 +13,12 @@ from pathlib import Path
 
 import torch
 
-from drafter.config import LAYER_ID_CONVENTION
+from drafter.model import check_aux_layer_ids
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
@@ -41,22 +40,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype: 
     if device.type == "cpu":
         return torch.float32
     return DTYPES.get(str(config_dtype or "").removeprefix("torch."), torch.bfloat16)
-
-
-def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
-    """Our convention's range check. The last layer (N - 1) is excluded: HF returns its output only
-    after the final norm, and SGLang captures aux states at the input of layer i + 1, which does not
-    exist for i = N - 1, so a drafter would be trained on features serving never has."""
-    ids = [int(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < num_layers - 1]
-    if bad:
-        raise ValueError(
-            f"aux layer ids {bad} out of range for a target with {num_layers} decoder layers. "
-            f"Convention {LAYER_ID_CONVENTION!r}: id i = output of decoder layer i (0-based) = HF "
-            f"hidden_states[i + 1], so valid ids are 0..{num_layers - 2} (the last layer's output is "
-            "the final hidden state). Ids in the 'input of layer i' convention (vLLM speculators, "
-            "ModelOpt) are one higher.")
-    return ids
 
 
 def aux_from_hidden_states(hidden_states: tuple[torch.Tensor, ...], aux_layer_ids: list[int]) -> torch.Tensor:
