@@ -18,7 +18,6 @@ target's OWN earlier answers (the original answers are dropped), as the drafter 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -31,8 +30,8 @@ from typing import Any, Callable, Coroutine, Iterator, TypeVar
 
 from drafter.config import ConfigError, LifecycleConfig
 from drafter.openai_client import ChatClient, DatagenServerDown, RequestFailed, ServerPool
-from drafter.prepare import load_prepared, to_jsonl
-from drafter.stage_output import Manifest, ShardInfo, StageOutput, fingerprint
+from drafter.prepare import load_prepared
+from drafter.stage_output import Manifest, ShardInfo, StageOutput, fingerprint, to_jsonl
 from drafter.store import ObjectStore
 
 __all__ = ["DatagenResult", "DatagenServerDown", "STAGE", "datagen_fingerprint", "datagen_output",
@@ -363,14 +362,11 @@ def run_datagen(cfg: LifecycleConfig, store: ObjectStore, prepare_fingerprint: s
 def iter_generations(store: ObjectStore, manifest_or_fingerprint: Manifest | str,
                      errors: bool = False) -> Iterator[dict]:
     """The committed records (or, with `errors`, the error records) in shard order, verified."""
-    fp = (manifest_or_fingerprint.fingerprint if isinstance(manifest_or_fingerprint, Manifest)
-          else manifest_or_fingerprint)
-    out = StageOutput(store, STAGE, fp)
+    out = StageOutput.committed(store, STAGE, manifest_or_fingerprint)  # raises if not committed
     prefix = "errors-" if errors else "gen-"
-    for info in out.load_manifest().shards:  # raises if not committed
+    for info in out.manifest.shards:
         if info.name.startswith(prefix):
-            text = out.read_shard(info.name).decode("utf-8")
-            yield from (json.loads(line) for line in text.split("\n") if line)
+            yield from out.read_jsonl(info.name)
 
 
 # ---------------------------------------------------------------- a server for the stage itself

@@ -25,12 +25,10 @@ upload threads behind a bounded queue, so the device computes shard i+1 while sh
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import math
 import os
 import queue
-import re
 import shutil
 import sys
 import tempfile
@@ -45,6 +43,8 @@ import torch
 
 from drafter import capture
 from drafter.config import LAYER_ID_CONVENTION, ConfigError, LifecycleConfig
+from drafter.datagen import iter_generations
+from drafter.prepare import load_prepared
 from drafter.shards import (FINAL_HIDDEN, FORMAT, FORMAT_VERSION, NUM_AUX, HiddenStateShard, ShardWriter,
                             bytes_per_token, storage_projection)
 from drafter.stage_output import Manifest, ShardInfo, StageOutput, fingerprint
@@ -133,19 +133,11 @@ def dump_output(store: ObjectStore, plan: DumpPlan) -> StageOutput:
 
 
 def read_conversations(store: ObjectStore, stage: str, fp: str) -> list[dict]:
-    """Upstream records in order: prepare's `train.jsonl`, or datagen's `gen-NNNNN.jsonl` shards."""
-    out = StageOutput(store, stage, fp)
-    manifest = out.load_manifest()  # refuses an uncommitted upstream
+    """Upstream records in order: prepare's `train` split, or datagen's generations (shard order);
+    both refuse an uncommitted upstream."""
     if stage == "prepare":
-        names = ["train.jsonl"]
-    else:
-        names = sorted(s.name for s in manifest.shards if re.fullmatch(r"gen-\d+\.jsonl", s.name))
-    records = []
-    for name in names:
-        text = out.read_shard(name).decode("utf-8")
-        # split("\n"), not splitlines(): the JSON text may hold raw U+2028 / U+0085 separators.
-        records += [json.loads(line) for line in text.split("\n") if line]
-    return records
+        return load_prepared(store, fp, "train")
+    return list(iter_generations(store, fp))
 
 
 def _check_record(rec) -> str | None:
@@ -455,8 +447,8 @@ def iter_dump_samples(store: ObjectStore, manifest: Manifest | str, *, expect_au
     `loss_mask`, `aux_hidden_states` [T, 3, H], `hidden_states` [T, H] (memory-mapped views).
     Each shard is downloaded and checked against its sha256 (the next one downloads while the
     current one is read); the manifest is checked against the expected layer ids first."""
-    out = StageOutput(store, STAGE, manifest if isinstance(manifest, str) else manifest.fingerprint)
-    manifest = out.load_manifest()
+    out = StageOutput.committed(store, STAGE, manifest)
+    manifest = out.manifest
     check_dump_manifest(manifest, expect_aux_layer_ids, expect_layer_id_convention)
     with tempfile.TemporaryDirectory(prefix="dump-read-", dir=workdir) as tmp, \
             ThreadPoolExecutor(max_workers=1) as pool:

@@ -15,7 +15,7 @@ from typing import Callable, Literal
 
 from drafter.config import DataConfig, LifecycleConfig
 from drafter.data import ReadStats, RowError, normalise_row, read_source, source_identity, truncate_turns
-from drafter.stage_output import Manifest, StageOutput, fingerprint
+from drafter.stage_output import Manifest, StageOutput, fingerprint, to_jsonl
 from drafter.store import ObjectStore
 
 STAGE = "prepare"
@@ -156,10 +156,6 @@ def prepare_conversations(data: DataConfig, progress: Progress | None = None) ->
     return out
 
 
-def to_jsonl(rows: list[dict]) -> bytes:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
-
-
 def prepare_fingerprint(data: DataConfig) -> str:
     """Config section + identity (version/size or sha256) of every input; no row is parsed."""
     inputs = [source_identity(s) for s in data.sources]
@@ -187,10 +183,4 @@ def load_prepared(store: ObjectStore, manifest_or_fingerprint: Manifest | str,
     """The prepared conversations of one split, read with size + sha256 verification."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    fp = (manifest_or_fingerprint.fingerprint if isinstance(manifest_or_fingerprint, Manifest)
-          else manifest_or_fingerprint)
-    out = StageOutput(store, STAGE, fp)
-    out.load_manifest()  # raises if the stage is not committed: never read a half-written output
-    text = out.read_shard(f"{split}.jsonl").decode("utf-8")
-    # split("\n"), not splitlines(): the JSON text may hold raw U+2028 / U+0085 separators.
-    return [json.loads(line) for line in text.split("\n") if line]
+    return StageOutput.committed(store, STAGE, manifest_or_fingerprint).read_jsonl(f"{split}.jsonl")

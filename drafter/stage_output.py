@@ -79,6 +79,19 @@ def hash_file(path: str | os.PathLike) -> tuple[int, str]:
         return hash_chunks(iter(lambda: f.read(CHUNK), b""))
 
 
+# ---- JSONL shards (prepare, datagen)
+
+
+def to_jsonl(rows: Iterable[dict]) -> bytes:
+    """One JSON object per line, UTF-8 (non-ASCII kept as is)."""
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+
+
+def from_jsonl(data: bytes) -> list:
+    # split("\n"), not splitlines(): the JSON text may hold raw U+2028 / U+0085 separators.
+    return [json.loads(line) for line in data.decode("utf-8").split("\n") if line]
+
+
 # ---- manifest models
 
 
@@ -129,6 +142,16 @@ class StageOutput:
                    format_version: int = FORMAT_VERSION) -> "StageOutput":
         return cls(store, stage, fingerprint(stage, config, upstream, format_version))
 
+    @classmethod
+    def committed(cls, store: ObjectStore, stage: str, manifest_or_fingerprint: "Manifest | str") -> "StageOutput":
+        """A committed upstream output, its manifest loaded: raises ObjectNotFound if it was never
+        committed (never read a half-written output) and ManifestError if the manifest is unusable."""
+        fp = (manifest_or_fingerprint.fingerprint if isinstance(manifest_or_fingerprint, Manifest)
+              else manifest_or_fingerprint)
+        out = cls(store, stage, fp)
+        out.load_manifest()
+        return out
+
     def __repr__(self) -> str:
         return f"StageOutput({self.uri!r})"
 
@@ -165,6 +188,11 @@ class StageOutput:
                                 f"{manifest.fingerprint}, expected {self.prefix}")
         self._manifest = manifest
         return manifest
+
+    @property
+    def manifest(self) -> Manifest:
+        """The committed manifest, loaded once (a commit never changes)."""
+        return self._manifest if self._manifest is not None else self.load_manifest()
 
     def is_complete(self) -> bool:
         """Manifest present and valid, every listed shard present with its listed size. Hashes are
@@ -322,6 +350,10 @@ class StageOutput:
         data = self.store.get_bytes(key)
         self._verify(key, want, len(data), hashlib.sha256(data).hexdigest())
         return data
+
+    def read_jsonl(self, name: str) -> list:
+        """The rows of a verified JSONL shard (see `to_jsonl`)."""
+        return from_jsonl(self.read_shard(name))
 
     def download_shard(self, name: str, path: str | os.PathLike) -> Path:
         """Download to `path` (or into it, if it is a directory), streaming and verifying. A file
