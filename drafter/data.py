@@ -7,7 +7,6 @@ Source-level problems (a missing file, a directory that is not a dataset) raise 
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 from drafter.config import DataSource
+from drafter.stage_output import hash_file
 
 # Role names seen in ShareGPT dumps and OpenAI-style rows, mapped to the three chat roles.
 ROLES = {
@@ -199,11 +199,7 @@ def read_source(src: DataSource, stats: ReadStats) -> Iterator[Any]:
 
 
 def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fp:
-        for block in iter(lambda: fp.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return hash_file(path)[1]
 
 
 def source_identity(src: DataSource) -> dict:
