@@ -34,6 +34,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # Keys the drafter may carry but SGLang does not need: it swaps in the target's embedding.
 OPTIONAL_KEYS = ("embed_tokens.weight",)
+# The dtypes a checkpoint's `torch_dtype` (or a --dtype flag) may name.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class DrafterCheckpointError(ValueError):
@@ -492,8 +494,7 @@ def load_drafter(directory: str | Path, device: str | torch.device = "cpu",
 
 
 def _dtype_of(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        str(name).removeprefix("torch."), torch.float32)
+    return DTYPES.get(str(name).removeprefix("torch."), torch.float32)
 
 
 def save_drafter(model: Eagle3Drafter, directory: str | Path) -> Path:

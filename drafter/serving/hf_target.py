@@ -13,12 +13,11 @@ from pathlib import Path
 
 import torch
 
-from drafter.model import check_aux_layer_ids
+from drafter.model import DTYPES, check_aux_layer_ids
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
