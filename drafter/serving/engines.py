@@ -185,14 +185,19 @@ def _launch_env(cfg: LifecycleConfig) -> tuple[dict[str, str], dict[str, str]]:
     return {**os.environ, **overrides}, overrides
 
 
+def _speculates(spec: SpeculativeConfig | None, draft_path: str | None) -> bool:
+    """Whether the server gets a drafter; serve.speculative without a draft path is refused."""
+    if draft_path is None and spec is not None:
+        raise ServerConfigError(
+            "serve.speculative is set but no draft path was given: refusing to start a "
+            "server that would silently run without speculation")
+    return draft_path is not None
+
+
 def _speculative_flags(spec: SpeculativeConfig | None, draft_path: str | None) -> list[str]:
     """SGLang-style flags. S/K/D come all three or not at all (SGLang asserts otherwise);
     SpeculativeConfig has already enforced that and SGLang's K=1 / S*K+1 rules."""
-    if draft_path is None:
-        if spec is not None:
-            raise ServerConfigError(
-                "serve.speculative is set but no draft path was given: refusing to start a "
-                "server that would silently run without speculation")
+    if not _speculates(spec, draft_path):
         return []
     algorithm = spec.algorithm if spec is not None else "EAGLE3"
     flags = ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft_path)]
@@ -500,11 +505,7 @@ class VLLMEngine(Engine):
 
     @staticmethod
     def _speculative_config(spec: SpeculativeConfig | None, draft_path: str | None) -> list[str]:
-        if draft_path is None:
-            if spec is not None:
-                raise ServerConfigError(
-                    "serve.speculative is set but no draft path was given: refusing to start a "
-                    "server that would silently run without speculation")
+        if not _speculates(spec, draft_path):
             return []
         conf: dict[str, Any] = {"method": "eagle3", "model": str(draft_path)}
         if spec is not None and spec.is_set:
