@@ -354,8 +354,9 @@ def run_datagen(cfg: LifecycleConfig, store: ObjectStore, prepare_fingerprint: s
         _drop_stale_errors(out, done, todo)
         done_before = len(conversations) - sum(len(s.conversations) for s in todo)
         this_run = _run_sync(_generate(out, cfg, todo, server_urls, progress, done_before, len(conversations)))
-    meta = _manifest_meta(cfg, out.completed_shards(), split, prepare_fingerprint, resumed, n_shards, this_run)
-    manifest = out.commit(meta, expect=[gen_shard_name(i) for i in range(n_shards)])
+    manifest = out.commit(
+        lambda shards: _manifest_meta(cfg, shards, split, prepare_fingerprint, resumed, n_shards, this_run),
+        expect=[gen_shard_name(i) for i in range(n_shards)])
     return DatagenResult(manifest=manifest, skipped=False, uri=out.uri)
 
 

@@ -374,8 +374,7 @@ def run_dump(cfg: LifecycleConfig, store: ObjectStore, upstream_stage: str, upst
         log.info("dump %s: %d of %d shards to compute on %s", out.uri, len(pending), len(names),
                  ", ".join(map(str, plan.devices[:len(pending)])))
         _run_workers(plan, out, pending, records, progress, len(names) - len(pending), len(names))
-    shards = out.completed_shards()
-    manifest = out.commit(summarize(plan, [shards[n] for n in names if n in shards]), expect=names)
+    manifest = out.commit(lambda shards: summarize(plan, [shards[n] for n in names]), expect=names)
     return DumpResult(manifest=manifest, skipped=False, uri=out.uri)
 
 

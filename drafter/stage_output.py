@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path, PurePath
@@ -273,9 +273,12 @@ class StageOutput:
         self.store.delete(manifest_key)
         self._manifest = None
 
-    def commit(self, meta: dict | None = None, expect: Iterable[str] | None = None) -> Manifest:
+    def commit(self, meta: dict | Callable[[dict[str, ShardInfo]], dict] | None = None,
+               expect: Iterable[str] | None = None) -> Manifest:
         """Write `_SUCCESS.json` (last) listing every completed shard sorted by name. Idempotent:
         committing the same shards and meta again returns the existing manifest unchanged.
+        `meta`: a dict, or a function of the completed shards (by name) that returns it, so meta
+        summed from shard markers describes exactly the shards listed (one listing, not two).
         `expect`: shard names that must all be complete, else StoreError names the missing ones."""
         shards = self.completed_shards()
         if expect is not None:
@@ -283,6 +286,8 @@ class StageOutput:
             if missing:
                 raise StoreError(f"cannot commit {self.uri}: {len(missing)} shards missing, "
                                  f"e.g. {missing[:5]}")
+        if callable(meta):
+            meta = meta(shards)
         manifest = Manifest(stage=self.stage, fingerprint=self.fingerprint, format_version=FORMAT_VERSION,
                             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                             shards=list(shards.values()), meta=meta or {})

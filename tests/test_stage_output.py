@@ -279,6 +279,22 @@ def test_commit_expect_names_missing_shards(out):
     assert not out.store.exists(out.key(MANIFEST_NAME))
 
 
+def test_commit_meta_from_the_listed_shards(out):
+    out.write_shard("a", b"aaa", meta={"rows": 2})
+    out.write_shard("b", b"bb", meta={"rows": 5})
+    seen = []
+
+    def meta(shards):
+        seen.append(list(shards))
+        return {"rows": sum(s.meta["rows"] for s in shards.values())}
+
+    manifest = out.commit(meta, expect=["a", "b"])
+    assert seen == [["a", "b"]] and manifest.meta == {"rows": 7}
+    with pytest.raises(StoreError, match="shard-c"):
+        out.commit(meta, expect=["a", "shard-c"])
+    assert len(seen) == 1  # not asked for meta when shards are missing
+
+
 def test_writing_into_a_broken_commit_repairs_it(out):
     out.write_shard("a", b"aaa")
     out.write_shard("b", b"bbb")
