@@ -49,7 +49,7 @@ from drafter.shards import (FINAL_HIDDEN, FORMAT, FORMAT_VERSION, NUM_AUX, Hidde
                             bytes_per_token, storage_projection)
 from drafter.stage_output import Manifest, ShardInfo, StageOutput, fingerprint
 from drafter.store import ObjectStore
-from drafter.tokenize import template_hash, tokenize_conversation, tokenizer_hash
+from drafter.tokenize import end_of_turn_ids, template_hash, tokenize_conversation, tokenizer_hash
 
 log = logging.getLogger(__name__)
 
@@ -166,11 +166,12 @@ def build_shard(cm: capture.CaptureModel, plan: DumpPlan, index: int, records: l
     """Tokenise, capture in token-budget batches, drop non-finite samples, write the shard file."""
     dump = plan.cfg.dump
     samples, quarantined, truncated = [], [], 0
+    eot_ids = end_of_turn_ids(cm.tokenizer)  # once per shard, not per sample
     for pos, rec in enumerate(records):
         reason = _check_record(rec)
         if reason is None:
             try:
-                ids, mask = tokenize_conversation(cm.tokenizer, rec["messages"], sys.maxsize)
+                ids, mask = tokenize_conversation(cm.tokenizer, rec["messages"], sys.maxsize, eot_ids)
             except Exception as e:  # a template that rejects this conversation (roles, order)
                 log.warning("sample %s: chat template failed: %s", rec.get("id"), e)
                 reason = "template_error"

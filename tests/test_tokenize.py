@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from drafter.demo_target import CHAT_TEMPLATE, EOT
-from drafter.tokenize import (has_generation_markers, template_hash, tokenize_conversation,
+from drafter.tokenize import (end_of_turn_ids, has_generation_markers, template_hash, tokenize_conversation,
                               tokenizer_hash)
 
 NO_MARKERS = CHAT_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
@@ -94,6 +94,14 @@ def test_header_and_user_tokens_are_never_masked(tokenizer, conversations):
         for m in messages:
             if m["role"] == "user":
                 assert m["content"].strip() in unmasked_text
+
+
+def test_precomputed_end_of_turn_ids_give_the_same_masks(tokenizer, conversations):
+    eot_ids = end_of_turn_ids(tokenizer)
+    assert eot_ids  # the demo template closes turns with <|eot_id|>
+    for messages in conversations[:4]:
+        assert (tokenize_conversation(tokenizer, messages, 10_000, eot_ids)
+                == tokenize_conversation(tokenizer, messages, 10_000))
 
 
 def test_truncation_keeps_a_prefix(tokenizer, conversations):
