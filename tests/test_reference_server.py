@@ -357,3 +357,25 @@ def test_never_healthy_serves_http_but_stays_503_silently(servers):
     assert not [line for t, line in srv.lines if t > up + 0.5]  # nothing logged after start-up
     assert httpx.get(srv.url + "/health_generate").status_code == 503
     assert srv.terminate() == 0
+
+
+def test_health_generate_answers_503_at_once_when_generation_fails():
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from drafter.serving.reference_server import Faults, ServerState, build_app
+
+    class FailingEngine:
+        drafter = None
+        target = SimpleNamespace(tokenizer=lambda text: SimpleNamespace(input_ids=[1, 2]))
+
+        def generate(self, *args, **kwargs):
+            raise RuntimeError("engine broke")
+
+    state = ServerState(SimpleNamespace(faults=Faults()), FailingEngine(), "tiny")
+    state.ready = True
+    with TestClient(build_app(state)) as client:
+        start = time.monotonic()
+        assert client.get("/health_generate").status_code == 503
+    assert time.monotonic() - start < 10.0  # not the 20 s wait for a generation that never ends

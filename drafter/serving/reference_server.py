@@ -395,14 +395,19 @@ def build_app(state: ServerState):
             return Response(status_code=503)
         from drafter.serving.speculative import SamplingParams
 
-        done = threading.Event()
+        done, ok = threading.Event(), []
 
         def one_token():
-            state.generate(_encode(state, WARMUP_TEXT), SamplingParams(max_new_tokens=1, temperature=0.0),
-                           internal=True)
-            done.set()
+            try:
+                state.generate(_encode(state, WARMUP_TEXT), SamplingParams(max_new_tokens=1, temperature=0.0),
+                               internal=True)
+                ok.append(True)
+            except Exception as err:  # noqa: BLE001 - a failed generation is an unhealthy server
+                log.error(f"health_generate failed: {err}")
+            finally:
+                done.set()  # a failure answers 503 now, not after the 20 s wait
         threading.Thread(target=one_token, daemon=True).start()
-        return Response(status_code=200 if done.wait(20.0) else 503)
+        return Response(status_code=200 if done.wait(20.0) and ok else 503)
 
     @app.get("/v1/models")
     def models():
