@@ -302,15 +302,12 @@ class SGLangEngine(Engine):
     ready_patterns = SGLANG_READY
     fatal_patterns = SGLANG_FATAL
 
-    def _base_argv(self, cfg: LifecycleConfig) -> list[str]:
-        return [sys.executable, "-m", "sglang.launch_server"]
-
     def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=()):
         _no_faults(self.name, faults)
         s, t = cfg.serve, cfg.target
-        argv = self._base_argv(cfg) + [
-            "--model-path", t.path, "--served-model-name", t.served_name,
-            "--host", s.host, "--port", str(s.port), "--tp-size", str(s.tp_size)]
+        argv = [sys.executable, "-m", "sglang.launch_server",
+                "--model-path", t.path, "--served-model-name", t.served_name,
+                "--host", s.host, "--port", str(s.port), "--tp-size", str(s.tp_size)]
         if t.dtype != "auto":
             argv += ["--dtype", t.dtype]
         if t.trust_remote_code:
