@@ -148,15 +148,13 @@ class Eagle3DraftConfig:
         eagle = data.pop("eagle_config", None) or {}
         if eagle.get("use_aux_hidden_state") is False:
             raise DrafterCheckpointError("eagle_config.use_aux_hidden_state is false: not an EAGLE-3 drafter")
-        rope_params = data.pop("rope_parameters", None) or {}  # transformers 5 spelling
+        rope_theta, rope_scaling = _rope_settings(data)
         hidden = data.pop("hidden_size")
         vocab = data.pop("vocab_size")
         heads = data.pop("num_attention_heads")
-        for key in ("model_type", "attention_bias", "mlp_bias", "dtype"):
+        for key in ("model_type", "attention_bias", "mlp_bias", "dtype", "rope_theta", "rope_scaling",
+                    "rope_parameters"):
             data.pop(key, None)
-        rope_scaling = data.pop("rope_scaling", None)
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = rope_params
         known = dict(
             hidden_size=hidden,
             intermediate_size=data.pop("intermediate_size"),
@@ -168,7 +166,7 @@ class Eagle3DraftConfig:
             target_hidden_size=data.pop("target_hidden_size", None) or hidden,
             aux_layer_ids=eagle.get("eagle_aux_hidden_state_layer_ids"),
             rms_norm_eps=data.pop("rms_norm_eps", 1e-5),
-            rope_theta=data.pop("rope_theta", None) or rope_params.get("rope_theta", 10000.0),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=data.pop("max_position_embeddings", 2048),
             head_dim=data.pop("head_dim", None),
@@ -190,6 +188,14 @@ class Eagle3DraftConfig:
 
 def _rope_type(scaling: dict[str, Any]) -> str:
     return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) of a Llama config.json, also in transformers 5's spelling
+    (`rope_parameters`, which counts as scaling only when its type is not 'default')."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return config.get("rope_theta") or params.get("rope_theta", 10000.0), scaling
 
 
 def EXPECTED_KEYS(config: Eagle3DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
@@ -542,8 +548,7 @@ def draft_config_for_target(target: dict[str, Any], aux_layer_ids: list[int] | N
     ids = default_aux_layer_ids(layers) if aux_layer_ids is None else aux_layer_ids
     ids = check_aux_layer_ids(ids, layers)  # the serving target's check: it must capture them
     vocab = target["vocab_size"]
-    rope = target.get("rope_parameters") or {}
-    scaling = target.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    rope_theta, rope_scaling = _rope_settings(target)
     return Eagle3DraftConfig(
         hidden_size=target["hidden_size"],
         intermediate_size=target["intermediate_size"],
@@ -555,8 +560,8 @@ def draft_config_for_target(target: dict[str, Any], aux_layer_ids: list[int] | N
         target_hidden_size=target["hidden_size"],
         aux_layer_ids=ids,
         rms_norm_eps=target.get("rms_norm_eps", 1e-5),
-        rope_theta=target.get("rope_theta") or rope.get("rope_theta", 10000.0),
-        rope_scaling=scaling,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         max_position_embeddings=target.get("max_position_embeddings", 2048),
     )
 

@@ -241,3 +241,20 @@ def test_init_random_drafter_checks_layer_ids(tiny_target, tmp_path):
         init_random_drafter(tiny_target, tmp_path / "last", aux_layer_ids=[0, 1, 3])
     path = init_random_drafter(tiny_target, tmp_path / "ok", aux_layer_ids=[0, 1, 2], seed=1)
     assert load_drafter(path).config.aux_layer_ids == [0, 1, 2]
+
+
+def test_transformers5_rope_parameters_read_alike_for_targets_and_drafts():
+    from drafter.model import draft_config_for_target
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    target = {"num_hidden_layers": 8, "vocab_size": 100, "hidden_size": 32, "intermediate_size": 48,
+              "num_attention_heads": 4, "rope_parameters": rope}
+    from_target = draft_config_for_target(target)
+    data = from_target.to_json_dict()
+    del data["rope_theta"], data["rope_scaling"]
+    from_json = Eagle3DraftConfig.from_json_dict({**data, "rope_parameters": rope})
+    for cfg in (from_target, from_json):
+        assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == rope
+    assert "rope_parameters" not in from_json.extra
+    plain = draft_config_for_target({**target, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert plain.rope_scaling is None and plain.rope_theta == 1e4
