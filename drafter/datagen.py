@@ -31,7 +31,8 @@ from typing import Any, Callable, Coroutine, Iterator, TypeVar
 from drafter.config import ConfigError, LifecycleConfig
 from drafter.openai_client import ChatClient, DatagenServerDown, RequestFailed, ServerPool
 from drafter.prepare import load_prepared
-from drafter.stage_output import Manifest, ShardInfo, StageOutput, fingerprint, to_jsonl
+from drafter.stage_output import (Manifest, Progress, ShardInfo, StageOutput, fingerprint, guarded_progress,
+                                  to_jsonl)
 from drafter.store import ObjectStore
 
 __all__ = ["DatagenResult", "DatagenServerDown", "STAGE", "datagen_fingerprint", "datagen_output",
@@ -44,7 +45,6 @@ STAGE = "datagen"
 # more servers or a different backoff must resume the same output, not start a new one.
 OPERATIONAL_FIELDS = frozenset({"server_urls", "concurrency_per_server", "max_consecutive_failures",
                                 "backoff_base_s", "backoff_max_s"})
-Progress = Callable[..., None]
 T = TypeVar("T")
 
 
@@ -123,7 +123,7 @@ class _Generation:
                  window: int, gen_info: dict, progress: Progress | None, done_before: int, total: int):
         self.out, self.client, self.shards = out, client, shards
         self.n_workers, self.gen_info = workers, gen_info
-        self.progress, self.done, self.total = progress, done_before, total
+        self.progress, self.done, self.total = guarded_progress(progress, STAGE), done_before, total
         self.jobs: asyncio.Queue = asyncio.Queue(maxsize=workers)
         self.window = asyncio.Semaphore(window)
         self.changed = asyncio.Event()       # a shard completed, or the writer must stop
@@ -254,11 +254,7 @@ class _Generation:
         info = [f"{f['requests_per_s']:.2f} req/s", f"{f['tokens_per_s']:.0f} tok/s"]
         if self.errors:
             info.append(f"{self.errors} errors")
-        try:
-            self.progress(self.done, self.total, *info)
-        except Exception as err:  # a progress display must never stop hours of generation
-            log.warning("datagen progress callback failed (%s); progress reports stop", err)
-            self.progress = None
+        self.progress(self.done, self.total, *info)
 
 
 async def _generate(out: StageOutput, cfg: LifecycleConfig, shards: list[_Shard], server_urls: list[str],

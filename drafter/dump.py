@@ -47,7 +47,7 @@ from drafter.datagen import iter_generations
 from drafter.prepare import load_prepared
 from drafter.shards import (FINAL_HIDDEN, FORMAT, FORMAT_VERSION, NUM_AUX, HiddenStateShard, ShardWriter,
                             bytes_per_token, storage_projection)
-from drafter.stage_output import Manifest, ShardInfo, StageOutput, fingerprint
+from drafter.stage_output import Manifest, Progress, ShardInfo, StageOutput, fingerprint, guarded_progress
 from drafter.store import ObjectStore
 from drafter.tokenize import end_of_turn_ids, template_hash, tokenize_conversation, tokenizer_hash
 
@@ -57,7 +57,6 @@ STAGE = "dump"
 UPSTREAM_STAGES = ("prepare", "datagen")
 # Operational settings: how fast or where, never what the shards mean (see the module docstring).
 OPERATIONAL_FIELDS = frozenset({"devices", "tokens_per_batch", "spool_dir", "upload_queue", "upload_threads"})
-Progress = Callable[..., None]
 
 
 def shard_name(index: int) -> str:
@@ -307,15 +306,13 @@ def _run_workers(plan: DumpPlan, out: StageOutput, pending: list[int], records: 
                  progress: Progress | None, done_before: int, total: int) -> None:
     devices = plan.devices[:len(pending)]  # no model load for a device without work
     lock, done = threading.Lock(), [done_before]
+    progress = guarded_progress(progress, STAGE)
 
     def on_done(name: str) -> None:
         with lock:
             done[0] += 1
             if progress is not None:
-                try:
-                    progress(done[0], total)
-                except Exception as e:  # a progress display must never fail the stage
-                    log.warning("progress callback failed: %s", e)
+                progress(done[0], total)
 
     if progress is not None and done_before:
         progress(done_before, total)  # a resumed run starts where the last one stopped

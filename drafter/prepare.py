@@ -11,16 +11,15 @@ import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
 from drafter.config import DataConfig, LifecycleConfig
 from drafter.data import ReadStats, RowError, normalise_row, read_source, source_identity, truncate_turns
-from drafter.stage_output import Manifest, StageOutput, fingerprint, to_jsonl
+from drafter.stage_output import Manifest, Progress, StageOutput, fingerprint, guarded_progress, to_jsonl
 from drafter.store import ObjectStore
 
 STAGE = "prepare"
 SPLITS = ("train", "eval")
-Progress = Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -97,6 +96,7 @@ def split_train_eval(kept: list[dict], data: DataConfig) -> tuple[list[dict], li
 
 def prepare_conversations(data: DataConfig, progress: Progress | None = None) -> Prepared:
     """Read every source in order; normalise, quarantine, truncate, filter, dedupe, limit, split."""
+    progress = guarded_progress(progress, STAGE)
     out = Prepared()
     quarantined, filtered = Counter(), Counter()
     seen_keys: set[str] = set()

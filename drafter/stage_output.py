@@ -36,6 +36,30 @@ MANIFEST_NAME = "_SUCCESS.json"
 PARTS_DIR = "_parts"
 
 
+# A stage's progress callback: (done, total or None, *info); a Prefect artifact, a terminal bar.
+Progress = Callable[..., None]
+
+
+def guarded_progress(progress: Progress | None, stage: str) -> Progress | None:
+    """`progress` that never raises: a progress display must never stop hours of work. Its first
+    failure is logged and the reports stop."""
+    if progress is None:
+        return None
+    failed = False
+
+    def report(*args) -> None:
+        nonlocal failed
+        if failed:
+            return
+        try:
+            progress(*args)
+        except Exception as err:
+            failed = True
+            log.warning("%s progress callback failed (%s); progress reports stop", stage, err)
+
+    return report
+
+
 class ManifestError(StoreError):
     """A `_SUCCESS.json` exists but cannot be used (bad JSON, wrong schema, wrong stage)."""
 

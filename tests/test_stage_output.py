@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from drafter.stage_output import (
-    FORMAT_VERSION, MANIFEST_NAME, ManifestError, StageOutput, fingerprint)
+    FORMAT_VERSION, MANIFEST_NAME, ManifestError, StageOutput, fingerprint, guarded_progress)
 from drafter.store import CorruptObject, ObjectNotFound, StoreError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,6 +277,20 @@ def test_commit_expect_names_missing_shards(out):
     with pytest.raises(StoreError, match="shard-1"):
         out.commit({}, expect=["shard-0", "shard-1"])
     assert not out.store.exists(out.key(MANIFEST_NAME))
+
+
+def test_guarded_progress_never_raises_and_stops_after_a_failure(caplog):
+    calls = []
+
+    def flaky(*args):
+        calls.append(args)
+        raise RuntimeError("artifact API down")
+
+    report = guarded_progress(flaky, "dump")
+    report(1, 10)
+    report(2, 10, "1.0 req/s")
+    assert calls == [(1, 10)] and "dump progress callback failed" in caplog.text
+    assert guarded_progress(None, "dump") is None
 
 
 def test_commit_meta_from_the_listed_shards(out):
