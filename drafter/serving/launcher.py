@@ -529,15 +529,8 @@ class ServerProcess:
             with self._lock:
                 if self._log is not None:
                     self._log.close()
-        if report.remaining_pids:
-            report.problems.append(f"processes still alive after SIGKILL: {report.remaining_pids}")
-        report.port_released = _wait_port(self.spec.host, self.spec.port, port_timeout_s)
-        if not report.port_released:
-            report.problems.append(f"port {self.spec.port} still in use {port_timeout_s:.0f}s after stop")
-        report.gpu_released, gpu_problem = wait_gpu_release(
-            self.gpu_baseline, self.spec.env, gpu_timeout_s, gpu_tolerance_mib)
-        if gpu_problem:
-            report.problems.append(gpu_problem)
+        _verify_released(report, self.spec.host, self.spec.port, port_timeout_s,
+                         self.gpu_baseline, self.spec.env, gpu_timeout_s, gpu_tolerance_mib)
         report.seconds = round(time.monotonic() - t0, 3)
         if report.ok:
             self.pid_path.unlink(missing_ok=True)  # kept on failure: reap() can try again
@@ -554,6 +547,20 @@ class ServerProcess:
         if exc is None:
             raise TeardownError(report.problems)
         exc.add_note("teardown incomplete: " + "; ".join(report.problems))
+
+
+def _verify_released(report: TeardownReport, host: str, port: int, port_timeout_s: float,
+                     gpu_baseline: dict[str, Any] | None, env: Mapping[str, str], gpu_timeout_s: float,
+                     gpu_tolerance_mib: float = 1024.0) -> None:
+    """After the kill: record in `report` what the server still holds (processes, port, GPU memory)."""
+    if report.remaining_pids:
+        report.problems.append(f"processes still alive after SIGKILL: {report.remaining_pids}")
+    report.port_released = _wait_port(host, port, port_timeout_s)
+    if not report.port_released:
+        report.problems.append(f"port {port} still in use {port_timeout_s:.0f}s after stop")
+    report.gpu_released, gpu_problem = wait_gpu_release(gpu_baseline, env, gpu_timeout_s, gpu_tolerance_mib)
+    if gpu_problem:
+        report.problems.append(gpu_problem)
 
 
 def _wait_port(host: str, port: int, timeout_s: float) -> bool:
@@ -620,17 +627,11 @@ def reap(pid_path: str | os.PathLike, grace_s: float = 10.0, kill_wait_s: float 
         return {"reaped": False, "reason": "server already gone"}
     signals, left = _terminate(pgid, sid, grace_s, kill_wait_s)
     report = TeardownReport(signals=signals, remaining_pids=left)
-    if left:
-        report.problems.append(f"processes still alive after SIGKILL: {left}")
-    report.port_released = _wait_port(info.get("host", "127.0.0.1"), info["port"], port_timeout_s)
-    if not report.port_released:
-        report.problems.append(f"port {info['port']} still in use")
     env = dict(os.environ)
     if info.get("cuda_visible_devices") is not None:
         env["CUDA_VISIBLE_DEVICES"] = info["cuda_visible_devices"]
-    report.gpu_released, gpu_problem = wait_gpu_release(info.get("gpu_baseline"), env, gpu_timeout_s)
-    if gpu_problem:
-        report.problems.append(gpu_problem)
+    _verify_released(report, info.get("host", "127.0.0.1"), info["port"], port_timeout_s,
+                     info.get("gpu_baseline"), env, gpu_timeout_s)
     if report.ok:
         path.unlink(missing_ok=True)
     return {"reaped": True, **report.to_dict()}
