@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
@@ -22,12 +23,20 @@ def failure_of(state) -> BaseException | None:
     return result if isinstance(result, BaseException) else None
 
 
-def retry_transient(task, task_run, state) -> bool:
-    """Retry storage and network trouble; never configuration or integrity errors."""
-    exc = failure_of(state)
-    if exc is None or isinstance(exc, NEVER_RETRY):
-        return False
-    return isinstance(exc, (StoreError, OSError, TimeoutError, ConnectionError))
+def is_transient(exc: BaseException) -> bool:
+    """Storage and network trouble; never configuration or integrity errors."""
+    return not isinstance(exc, NEVER_RETRY) and isinstance(exc, (StoreError, OSError, TimeoutError, ConnectionError))
+
+
+def retry_if(predicate: Callable[[BaseException], bool]) -> Callable[..., bool]:
+    """A Prefect `retry_condition_fn`: retry when the task failed with an exception `predicate` accepts."""
+    def condition(task, task_run, state) -> bool:
+        exc = failure_of(state)
+        return exc is not None and predicate(exc)
+    return condition
+
+
+retry_transient = retry_if(is_transient)
 
 
 class ProgressArtifact:

@@ -18,8 +18,9 @@ from prefect.tasks import exponential_backoff
 from drafter.config import LifecycleConfig
 from drafter.datagen import DatagenResult, DatagenServerDown, datagen_output, run_datagen, target_server
 from drafter.serving.errors import ServerStartError, is_retryable
-from drafter.store import StoreError, open_store
-from tasks.common import NEVER_RETRY, ProgressArtifact, failure_of, log
+from drafter.store import open_store
+from tasks import common
+from tasks.common import NEVER_RETRY, ProgressArtifact, log, retry_if
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -27,12 +28,10 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, ServerStartError):  # typed start failures: bad flags / port taken never heal
         return is_retryable(exc)
-    return isinstance(exc, (DatagenServerDown, StoreError, OSError, TimeoutError, ConnectionError))
+    return isinstance(exc, DatagenServerDown) or common.is_transient(exc)
 
 
-def retry_datagen(task, task_run, state) -> bool:
-    exc = failure_of(state)
-    return exc is not None and is_transient(exc)
+retry_datagen = retry_if(is_transient)
 
 
 @task(name="datagen", retries=2, retry_delay_seconds=exponential_backoff(30), retry_jitter_factor=0.5,

@@ -10,7 +10,7 @@ from prefect.tasks import exponential_backoff
 from drafter.config import LifecycleConfig
 from drafter.serving.check import check_server
 from drafter.serving.errors import is_retryable
-from tasks.common import failure_of, log
+from tasks.common import log, retry_if
 
 
 def reap_left_servers(flow, flow_run, state) -> None:
@@ -31,9 +31,7 @@ def reap_left_servers(flow, flow_run, state) -> None:
         print(f"reaping {pid_path}: {reap(pid_path)}", flush=True)
 
 
-def retry_server_start(task, task_run, state) -> bool:
-    exc = failure_of(state)
-    return exc is not None and is_retryable(exc)
+retry_server_start = retry_if(is_retryable)
 
 
 @task(name="serve-check", retries=2, retry_delay_seconds=exponential_backoff(15), retry_jitter_factor=0.5,
