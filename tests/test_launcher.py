@@ -480,3 +480,16 @@ def test_reference_server_speculative_settings_read_back(tmp_path, request):
     assert result["settings_mismatch"] == []
     launch_record = json.loads(Path(result["launch_path"]).read_text())
     assert launch_record["argv"][launch_record["argv"].index("--speculative-draft-model-path") + 1] == draft
+
+
+def test_start_that_fails_after_the_spawn_stops_the_server(tmp_path, monkeypatch):
+    import drafter.serving.launcher as launcher
+
+    def no_pid_file(pid):
+        raise OSError("disk full")
+    monkeypatch.setattr(launcher, "_start_ticks", no_pid_file)  # the pid file cannot be written
+    server = ServerProcess(fake_spec(tmp_path), SGLANG, tmp_path / "server.log")
+    with pytest.raises(OSError, match="disk full"):
+        server.start()
+    assert server.pgid is not None
+    assert_all_gone(server)

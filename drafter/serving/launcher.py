@@ -398,15 +398,22 @@ class ServerProcess:
         self.pgid = self.proc.pid  # session leader == group leader
         self.started_at = self.last_progress = time.monotonic()
         self._enter("launch")
-        self.pid_path.write_text(json.dumps({
-            "pid": self.proc.pid, "pgid": self.pgid, "sid": self.proc.pid,
-            "start_ticks": _start_ticks(self.proc.pid), "argv": self.spec.argv,
-            "started_at": _now_iso(), "engine": self.spec.engine, "host": self.spec.host,
-            "port": self.spec.port, "log_path": str(self.log_path), "launcher_pid": os.getpid(),
-            "gpu_baseline": self.gpu_baseline, "cuda_visible_devices": self.spec.env.get("CUDA_VISIBLE_DEVICES"),
-        }, indent=2))
         self._reader = threading.Thread(target=self._read, name=f"{self.spec.engine}-log", daemon=True)
         self._reader.start()
+        try:
+            self.pid_path.write_text(json.dumps({
+                "pid": self.proc.pid, "pgid": self.pgid, "sid": self.proc.pid,
+                "start_ticks": _start_ticks(self.proc.pid), "argv": self.spec.argv,
+                "started_at": _now_iso(), "engine": self.spec.engine, "host": self.spec.host,
+                "port": self.spec.port, "log_path": str(self.log_path), "launcher_pid": os.getpid(),
+                "gpu_baseline": self.gpu_baseline,
+                "cuda_visible_devices": self.spec.env.get("CUDA_VISIBLE_DEVICES"),
+            }, indent=2))
+        except BaseException:
+            # No caller holds this object yet (start() raised), so no `with` would stop the
+            # server, and it runs in its own session: stop it here.
+            self.stop()
+            raise
         return self
 
     # ---- log reading -----------------------------------------------------------------------
