@@ -31,8 +31,8 @@ from typing import Any, Callable, Coroutine, Iterator, TypeVar
 from drafter.config import ConfigError, LifecycleConfig
 from drafter.openai_client import ChatClient, DatagenServerDown, RequestFailed, ServerPool
 from drafter.prepare import load_prepared
-from drafter.stage_output import (Manifest, Progress, ShardInfo, StageOutput, fingerprint, guarded_progress,
-                                  to_jsonl)
+from drafter.stage_output import (Manifest, Progress, ShardInfo, StageOutput, StageResult, fingerprint,
+                                  guarded_progress, to_jsonl)
 from drafter.store import ObjectStore
 
 __all__ = ["DatagenResult", "DatagenServerDown", "STAGE", "datagen_fingerprint", "datagen_output",
@@ -46,13 +46,7 @@ STAGE = "datagen"
 OPERATIONAL_FIELDS = frozenset({"server_urls", "concurrency_per_server", "max_consecutive_failures",
                                 "backoff_base_s", "backoff_max_s"})
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class DatagenResult:
-    manifest: Manifest
-    skipped: bool
-    uri: str
+DatagenResult = StageResult  # the name callers and tests use
 
 
 def gen_shard_name(index: int) -> str:
@@ -332,7 +326,7 @@ def run_datagen(cfg: LifecycleConfig, store: ObjectStore, prepare_fingerprint: s
     Raises DatagenServerDown, after saving every finished shard, when a server stops answering."""
     out = datagen_output(cfg, store, prepare_fingerprint, split)
     if out.is_complete():
-        return DatagenResult(manifest=out.load_manifest(), skipped=True, uri=out.uri)
+        return DatagenResult(manifest=out.manifest, skipped=True, uri=out.uri)
     conversations = load_prepared(store, prepare_fingerprint, split)
     size = cfg.datagen.shard_size
     n_shards = math.ceil(len(conversations) / size)

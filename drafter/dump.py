@@ -47,7 +47,8 @@ from drafter.datagen import iter_generations
 from drafter.prepare import load_prepared
 from drafter.shards import (FINAL_HIDDEN, FORMAT, FORMAT_VERSION, NUM_AUX, HiddenStateShard, ShardWriter,
                             bytes_per_token, storage_projection)
-from drafter.stage_output import Manifest, Progress, ShardInfo, StageOutput, fingerprint, guarded_progress
+from drafter.stage_output import (Manifest, Progress, ShardInfo, StageOutput, StageResult, fingerprint,
+                                  guarded_progress)
 from drafter.store import ObjectStore
 from drafter.tokenize import end_of_turn_ids, template_hash, tokenize_conversation, tokenizer_hash
 
@@ -63,11 +64,7 @@ def shard_name(index: int) -> str:
     return f"hs-{index:05d}.safetensors"
 
 
-@dataclass(frozen=True)
-class DumpResult:
-    manifest: Manifest
-    skipped: bool
-    uri: str
+DumpResult = StageResult  # the name callers and tests use
 
 
 @dataclass
@@ -358,7 +355,7 @@ def run_dump(cfg: LifecycleConfig, store: ObjectStore, upstream_stage: str, upst
     plan = plan_dump(cfg, upstream_stage, upstream_fingerprint, devices)
     out = dump_output(store, plan)
     if out.is_complete():
-        return DumpResult(manifest=out.load_manifest(), skipped=True, uri=out.uri)
+        return DumpResult(manifest=out.manifest, skipped=True, uri=out.uri)
     conversations = read_conversations(store, upstream_stage, upstream_fingerprint)
     if not conversations:
         raise ValueError(f"{upstream_stage}/{upstream_fingerprint} holds no conversations")

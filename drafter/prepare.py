@@ -15,18 +15,13 @@ from typing import Literal
 
 from drafter.config import DataConfig, LifecycleConfig
 from drafter.data import ReadStats, RowError, normalise_row, read_source, source_identity, truncate_turns
-from drafter.stage_output import Manifest, Progress, StageOutput, fingerprint, guarded_progress, to_jsonl
+from drafter.stage_output import (Manifest, Progress, StageOutput, StageResult, fingerprint, guarded_progress,
+                                  to_jsonl)
 from drafter.store import ObjectStore
 
 STAGE = "prepare"
 SPLITS = ("train", "eval")
-
-
-@dataclass(frozen=True)
-class PrepareResult:
-    manifest: Manifest
-    skipped: bool
-    uri: str
+PrepareResult = StageResult  # the name callers and tests use
 
 
 @dataclass
@@ -165,7 +160,7 @@ def prepare_fingerprint(data: DataConfig) -> str:
 def run_prepare(cfg: LifecycleConfig, store: ObjectStore, progress: Progress | None = None) -> PrepareResult:
     out = StageOutput(store, STAGE, prepare_fingerprint(cfg.data))
     if out.is_complete():
-        return PrepareResult(manifest=out.load_manifest(), skipped=True, uri=out.uri)
+        return PrepareResult(manifest=out.manifest, skipped=True, uri=out.uri)
     prepared = prepare_conversations(cfg.data, progress)
     done = out.completed_shards()  # a killed earlier run: keep shards that are already identical
     for name, rows in (("train.jsonl", prepared.train), ("eval.jsonl", prepared.eval),

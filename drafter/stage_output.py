@@ -21,6 +21,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path, PurePath
 from typing import Any
@@ -146,6 +147,15 @@ class Manifest(BaseModel):
 
 
 # ---- the output of one stage run
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What a stage run returns: its committed manifest, whether it was already complete, where."""
+
+    manifest: Manifest
+    skipped: bool
+    uri: str
 
 
 class StageOutput:
