@@ -620,8 +620,6 @@ def _setup_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _setup_logging(args.log_level)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
     server_ref: dict[str, Any] = {}
 
