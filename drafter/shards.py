@@ -90,7 +90,14 @@ class ShardWriter:
     def finish(self, path: str | Path,
                empty_like: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] | None = None) -> Path:
         """Write the shard to `path` and drop the spool. `empty_like` gives dtype + row shape of
-        each tensor when no sample was added (a shard whose samples were all quarantined)."""
+        each tensor when no sample was added (a shard whose samples were all quarantined). The
+        spool is removed whatever happens."""
+        try:
+            return self._write(Path(path), empty_like)
+        finally:
+            self.discard()
+
+    def _write(self, path: Path, empty_like: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] | None) -> Path:
         for f in self._files.values():
             f.close()
         for name, (dtype, shape) in (empty_like or {}).items():
@@ -117,19 +124,15 @@ class ShardWriter:
             pos += size
         head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         head += b" " * (-len(head) % 8)  # safetensors aligns the data section to 8 bytes
-        path = Path(path)
-        try:
-            with open(path, "wb") as out:
-                out.write(struct.pack("<Q", len(head)))
-                out.write(head)
-                for _name, _dtype, _shape, src in blobs:
-                    if isinstance(src, bytes):
-                        out.write(src)
-                    else:
-                        with open(src, "rb") as f:
-                            shutil.copyfileobj(f, out, 16 << 20)
-        finally:
-            self.discard()
+        with open(path, "wb") as out:
+            out.write(struct.pack("<Q", len(head)))
+            out.write(head)
+            for _name, _dtype, _shape, src in blobs:
+                if isinstance(src, bytes):
+                    out.write(src)
+                else:
+                    with open(src, "rb") as f:
+                        shutil.copyfileobj(f, out, 16 << 20)
         return path
 
     def discard(self) -> None:

@@ -394,6 +394,16 @@ def test_empty_shard_keeps_shapes(tmp_path):
     assert len(shard) == 0 and shard.tensors["aux_hidden_states"].shape == (0, 3, 16)
 
 
+def test_a_failed_finish_removes_the_spool(tmp_path):
+    from drafter.shards import ShardWriter, write_shard_file
+
+    with pytest.raises(ValueError, match="empty_like"):
+        ShardWriter(spool_dir=tmp_path).finish(tmp_path / "e.safetensors")
+    with pytest.raises(ValueError, match="empty_like"):
+        write_shard_file(tmp_path / "f.safetensors", [], spool_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_storage_projection_reproduces_the_seed_run():
     # 87.8M tokens of Kimi-K2.5 (hidden 7168) in bf16, 3 aux + final: the seed's "4.6 TB" was TiB.
     text = project_corpus(87_800_000, 7168, "bfloat16")
