@@ -533,6 +533,13 @@ def _avail_mem_gb(device) -> float:
         return float("nan")
 
 
+def _log_load_end(device, start: float, before_gb: float, kind: str, dtype) -> None:
+    """SGLang's "Load weight end." line for a load that began at `start` with `before_gb` free."""
+    after = _avail_mem_gb(device)
+    log.info(f"Load weight end. elapsed={time.perf_counter() - start:.2f} s, type={kind}, "
+             f"dtype={dtype}, avail mem={after:.2f} GB, mem usage={max(before_gb - after, 0):.2f} GB.")
+
+
 def load_engine(args: argparse.Namespace):
     """Weights (target, then draft) and the KV cache phase, with SGLang's log lines."""
     import torch
@@ -552,9 +559,7 @@ def load_engine(args: argparse.Namespace):
         from transformers import AutoTokenizer
 
         target.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
-    after = _avail_mem_gb(device)
-    log.info(f"Load weight end. elapsed={time.perf_counter() - start:.2f} s, type={target.architecture}, "
-             f"dtype={target.dtype}, avail mem={after:.2f} GB, mem usage={max(before - after, 0):.2f} GB.")
+    _log_load_end(device, start, before, target.architecture, target.dtype)
 
     drafter = None
     if args.speculative_algorithm:
@@ -563,9 +568,7 @@ def load_engine(args: argparse.Namespace):
         log.info(f"Load weight begin. avail mem={_avail_mem_gb(device):.2f} GB")
         start, before = time.perf_counter(), _avail_mem_gb(device)
         drafter = load_drafter(args.speculative_draft_model_path, device=device, dtype=target.dtype)
-        after = _avail_mem_gb(device)
-        log.info(f"Load weight end. elapsed={time.perf_counter() - start:.2f} s, type={ARCHITECTURE}, "
-                 f"dtype={target.dtype}, avail mem={after:.2f} GB, mem usage={max(before - after, 0):.2f} GB.")
+        _log_load_end(device, start, before, ARCHITECTURE, target.dtype)
 
     from drafter.serving.speculative import SpeculativeEngine
 
