@@ -8,11 +8,12 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
 
 from drafter.config import ConfigError
+from drafter.stage_output import ManifestError
 from drafter.store import CorruptObject, ObjectNotFound, StoreError
 
-# Errors that a retry cannot fix: bad configuration, corrupted data that needs a human, an upstream
-# stage that was never committed (run it first; waiting will not make it appear).
-NEVER_RETRY = (ConfigError, CorruptObject, ObjectNotFound)
+# Errors that a retry cannot fix: bad configuration, corrupted data or an unusable manifest that
+# needs a human, an upstream stage that was never committed (run it first; waiting will not help).
+NEVER_RETRY = (ConfigError, CorruptObject, ManifestError, ObjectNotFound)
 
 
 def failure_of(state) -> BaseException | None:

@@ -6,6 +6,7 @@ import pytest
 from drafter.config import ConfigError
 from drafter.datagen import DatagenServerDown
 from drafter.serving.errors import ServerConfigError, ServerStalled
+from drafter.stage_output import ManifestError
 from drafter.store import CorruptObject, ObjectNotFound, StoreError
 from tasks.common import retry_transient
 from tasks.datagen import retry_datagen
@@ -26,6 +27,7 @@ class FailedState:
     (ConfigError([("dump.aux_layer_ids", "bad")]), False),
     (CorruptObject("dump/x/hs-00000.safetensors", "sha256 mismatch"), False),
     (ObjectNotFound("datagen is not committed: no manifest datagen/abc/_SUCCESS.json"), False),
+    (ManifestError("invalid manifest datagen/abc/_SUCCESS.json"), False),
     (ValueError("a bug"), False),
 ])
 def test_stage_retry_policy(exc, retried):
