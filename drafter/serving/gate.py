@@ -87,8 +87,9 @@ def probe(client: httpx.Client, spec: LaunchSpec, generate_timeout_s: float = 30
         if spec.generate_style == "sglang":
             resp = client.post("/generate", timeout=generate_timeout_s, json={
                 "text": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
-            ok = resp.status_code == 200 and isinstance(resp.json(), dict) and "text" in resp.json()
-            text = resp.json().get("text") if ok else None
+            body = resp.json() if resp.status_code == 200 else None
+            ok = isinstance(body, dict) and "text" in body
+            text = body["text"] if ok else None
         else:
             resp = client.post("/v1/completions", timeout=generate_timeout_s, json={
                 "model": spec.served_model_name, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0})
