@@ -66,26 +66,32 @@ def _rows_predicting(mapping: list[int], emb: torch.Tensor, ids) -> torch.Tensor
     return rows
 
 
-def build_successor_target(tiny_target: Path, out_dir: Path) -> Path:
+def _target_like(tiny_target: Path, out_dir: Path, seed: int, init) -> Path:
+    """The tiny target's config and tokenizer with weights set by `init(model)`; built once."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if (out_dir / "model.safetensors").exists():
         return out_dir
     shutil.copytree(tiny_target, out_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-    config = LlamaConfig.from_pretrained(tiny_target)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    vocab, hidden = config.vocab_size, config.hidden_size
-    emb = _embeddings(vocab, hidden)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(tiny_target))
     with torch.no_grad():
+        init(model)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_successor_target(tiny_target: Path, out_dir: Path) -> Path:
+    def init(model) -> None:
+        vocab, hidden = model.config.vocab_size, model.config.hidden_size
+        emb = _embeddings(vocab, hidden)
         model.model.embed_tokens.weight.copy_(emb)
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         model.model.norm.weight.fill_(1.0)
         model.lm_head.weight.copy_(_rows_predicting(succ_map(vocab), emb, range(vocab)))
-    model.save_pretrained(out_dir)
-    return out_dir
+    return _target_like(tiny_target, out_dir, 0, init)
 
 
 def build_successor_drafter(target_dir: Path, out_dir: Path) -> Path:
@@ -114,19 +120,11 @@ def build_successor_drafter(target_dir: Path, out_dir: Path) -> Path:
 
 def build_random_target(tiny_target: Path, out_dir: Path, seed: int = 0) -> Path:
     """The tiny target's shapes with large random weights: varied output, no near-tied logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if (out_dir / "model.safetensors").exists():
-        return out_dir
-    shutil.copytree(tiny_target, out_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig.from_pretrained(tiny_target))
-    with torch.no_grad():
+    def init(model) -> None:
         for name, p in model.named_parameters():
             if not name.endswith("norm.weight"):
                 p.normal_(0, 0.15)
-    model.save_pretrained(out_dir)
-    return out_dir
+    return _target_like(tiny_target, out_dir, seed, init)
 
 
 @pytest.fixture(scope="session")
