@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from drafter.config import LAYER_ID_CONVENTION
 from drafter.serving.hf_target import DTYPES, HFTarget, aux_from_hidden_states, check_aux_layer_ids
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

@@ -85,8 +85,8 @@ def test_training_is_deterministic_and_learns(tmp_path, tiny_conversations):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert a["train_loss"] == b["train_loss"] and a["fingerprint"] == b["fingerprint"]
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
-    c = build_demo_target(tiny_target_config(max_steps=8, seed=1), tmp_path / "c",
-                          conversations=tiny_conversations)
+    build_demo_target(tiny_target_config(max_steps=8, seed=1), tmp_path / "c",
+                      conversations=tiny_conversations)
     wc = load_file(tmp_path / "c" / "model.safetensors")
     assert not torch.equal(wa["model.embed_tokens.weight"], wc["model.embed_tokens.weight"])
 

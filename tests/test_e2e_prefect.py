@@ -7,21 +7,16 @@ A second run must find every stage complete and skip its work.
 import json
 import re
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.fixtures.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -26,18 +26,13 @@ from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, Server
 from drafter.serving.gate import wait_until_ready
 from drafter.serving.launcher import (
     ServerProcess, group_members, launch, parse_compute_apps, pid_file, port_free, preflight)
+from tests.fixtures.net import free_port
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_server.py"
 ROOT = Path(__file__).resolve().parents[1]
 NCCL = {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring", "NCCL_P2P_LEVEL": "SYS", "NCCL_MAX_NCHANNELS": "16",
         "NCCL_BUFFSIZE": "16777216", "NCCL_NTHREADS": "512"}
 SGLANG = make_engine("sglang")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_spec(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> LaunchSpec:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,15 +15,10 @@ import httpx
 import pytest
 
 from tests.test_speculative import build_random_target, build_successor_drafter, build_successor_target
+from tests.fixtures.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 90.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -3,7 +3,6 @@ cancellation hook reaps what a killed run left (it runs in another process, from
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,15 +11,10 @@ from types import SimpleNamespace
 
 from drafter.serving.launcher import group_members
 from tasks.serve import reap_left_servers
+from tests.fixtures.net import free_port
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_server.py"
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def hanging_server_config(tmp_path) -> dict:

@@ -11,6 +11,7 @@ import tasks.serve as serve_module
 from drafter.config import parse_config
 from drafter.serving.errors import ServerConfigError, ServerStalled
 from tasks.serve import serve_task
+from tests.fixtures.net import free_port
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_server.py"
 
@@ -42,12 +43,6 @@ def attempts(monkeypatch):
 
     monkeypatch.setattr(serve_module, "check_server", counting)
     return calls
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_config(tmp_path, *fake_args, port=None):
