@@ -7,17 +7,12 @@ serving and dump paths cannot drift apart.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from drafter.serving.hf_target import DTYPES, HFTarget, aux_from_hidden_states, check_aux_layer_ids
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def resolve_dtype(dump_dtype: str, target_dtype: str, device: torch.device) -> torch.dtype:
@@ -51,22 +46,6 @@ def resolve_devices(devices: list[str]) -> list[torch.device]:
     if len({d.type for d in out}) > 1:
         raise ValueError(f"devices {[str(d) for d in out]} mix device types; use one type per run")
     return out
-
-
-def target_fingerprint(model_path: str | Path) -> str:
-    """sha256 over config.json and the weight files' names and sizes: cheap (no weight is read) and
-    changes whenever a checkpoint is replaced."""
-    path = Path(model_path)
-    config = path / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"target {path}: no config.json")
-    weights = sorted((f.name, f.stat().st_size) for f in path.iterdir()
-                     if f.is_file() and (f.name.endswith(WEIGHT_SUFFIXES) or f.name.endswith(".index.json")))
-    if not any(name.endswith(WEIGHT_SUFFIXES) for name, _ in weights):
-        raise FileNotFoundError(f"target {path}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
-    h = hashlib.sha256(config.read_bytes())
-    h.update(json.dumps(weights).encode())
-    return h.hexdigest()[:16]
 
 
 @dataclass

@@ -68,6 +68,9 @@ class TargetConfig(Strict):
 
     path: str = Field(..., description="Hugging Face model directory (local path)")
     name: str | None = Field(None, description="served model name; defaults to the directory name")
+    revision: str | None = Field(
+        None, description="trusted identity of the weights (hub revision, registry digest); when "
+                          "omitted, stage fingerprints hash the weight files (cached per machine)")
     num_hidden_layers: int | None = Field(
         None, ge=1, description="layer count; read from <path>/config.json when omitted")
     hidden_size: int | None = Field(None, ge=1)

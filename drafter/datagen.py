@@ -34,6 +34,7 @@ from drafter.prepare import load_prepared
 from drafter.stage_output import (Manifest, Progress, ShardInfo, StageOutput, StageResult, fingerprint,
                                   guarded_progress, to_jsonl)
 from drafter.store import ObjectStore
+from drafter.target_identity import target_identity
 
 __all__ = ["DatagenResult", "DatagenServerDown", "STAGE", "datagen_fingerprint", "datagen_output",
            "iter_generations", "run_datagen", "ServedTarget", "target_server"]
@@ -59,7 +60,8 @@ def error_shard_name(index: int) -> str:
 
 def datagen_fingerprint(cfg: LifecycleConfig, prepare_fingerprint: str, split: str = "train") -> str:
     section = cfg.datagen.model_dump(mode="json", exclude=set(OPERATIONAL_FIELDS))
-    target = {"served_name": cfg.target.served_name, "path": cfg.target.path}
+    # The answers depend on the target's weights and on the name requests use.
+    target = {"served_name": cfg.target.served_name, **target_identity(cfg.target)}
     return fingerprint(STAGE, {"datagen": section, "target": target, "split": split}, [prepare_fingerprint])
 
 

@@ -50,6 +50,7 @@ from drafter.shards import (FINAL_HIDDEN, FORMAT, FORMAT_VERSION, NUM_AUX, Hidde
 from drafter.stage_output import (Manifest, Progress, ShardInfo, StageOutput, StageResult, fingerprint,
                                   guarded_progress)
 from drafter.store import ObjectStore
+from drafter.target_identity import target_fingerprint
 from drafter.tokenize import end_of_turn_ids, template_hash, tokenize_conversation, tokenizer_hash
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ def plan_dump(cfg: LifecycleConfig, upstream_stage: str, upstream_fingerprint: s
     return DumpPlan(cfg=cfg, upstream_stage=upstream_stage, upstream_fingerprint=upstream_fingerprint,
                     devices=devs, dtype=capture.resolve_dtype(cfg.dump.dtype, cfg.target.dtype, devs[0]),
                     aux_layer_ids=ids, num_layers=num_layers, hidden_size=hidden, tokenizer=tok,
-                    target_fingerprint=capture.target_fingerprint(cfg.target.path),
+                    target_fingerprint=target_fingerprint(cfg.target.path, cfg.target.revision),
                     tokenizer_hash=tokenizer_hash(tok), template_hash=template_hash(tok))
 
 
