@@ -74,8 +74,7 @@ def prepare(config: Path = ConfigOpt) -> None:
 
     cfg = _load(config)
     result = run_prepare(cfg, open_store(cfg.storage))
-    state = "skipped (already complete)" if result.skipped else "done"
-    typer.echo(f"prepare {state}: {result.uri}")
+    _echo_outcome("prepare", result)
     typer.echo(json.dumps(result.manifest.meta, indent=2, default=str))
 
 
@@ -103,8 +102,7 @@ def datagen(config: Path = ConfigOpt,
             urls = [served.base_url]
         result = run_datagen(cfg, store, prepare_fp, urls, progress=bar.update_to, split=split)
     bar.close()
-    state = "skipped (already complete)" if result.skipped else "done"
-    typer.echo(f"datagen {state}: {result.uri}")
+    _echo_outcome("datagen", result)
     typer.echo(json.dumps(result.manifest.meta, indent=2, default=str))
 
 
@@ -125,8 +123,7 @@ def dump(config: Path = ConfigOpt,
                       devices=list(device) or None)
     bar.close()
     meta = result.manifest.meta
-    state = "skipped (already complete)" if result.skipped else "done"
-    typer.echo(f"dump {state}: {result.uri}")
+    _echo_outcome("dump", result)
     typer.echo(f"{meta['num_samples']} samples, {meta['num_tokens']} tokens, "
                f"{meta['bytes_per_token']:.0f} bytes/token; storage: {meta['storage_projection']}")
 
@@ -176,6 +173,12 @@ def outputs(config: Path = ConfigOpt) -> None:
     for row in rows:
         typer.echo(f"  {row['stage']:<10} {row['fingerprint']}  {row['shards']:>4} shards "
                    f"{row['bytes'] / 1e6:>10.2f} MB  {row['created_at']}  {row['uri']}")
+
+
+def _echo_outcome(stage: str, result) -> None:
+    """One line per stage run: did it work, or find its output already committed."""
+    state = "skipped (already complete)" if result.skipped else "done"
+    typer.echo(f"{stage} {state}: {result.uri}")
 
 
 class _Bar:
