@@ -13,17 +13,42 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# The one layer-id convention (reference: sglang-eagle3-contract.md section 2).
-# An aux layer id i means "the OUTPUT of decoder layer i" (0-based), i.e. Hugging Face
-# `hidden_states[i + 1]`. This is what SGLang reads from the draft config's
-# `eagle_aux_hidden_state_layer_ids` and what SpecForge trains with.
-LAYER_ID_CONVENTION = "output-of-layer-0-based"
+from drafter.errors import DrafterError
+from drafter.layers import LAYER_ID_CONVENTION, aux_layer_id_problem, default_aux_layer_ids
+
+__all__ = ["LAYER_ID_CONVENTION", "default_aux_layer_ids", "ConfigError", "LifecycleConfig", "load_config",
+           "parse_config", "OutputField", "OperationalField", "fingerprint_fields"]
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """SpecForge/SGLang default: [1, N//2 - 1, N - 4], clamped for very shallow targets."""
-    ids = [1, num_layers // 2 - 1, num_layers - 4]
-    return [min(max(i, 0), max(num_layers - 2, 0)) for i in ids]
+def _declared(default: Any, fingerprint: bool, kw: dict[str, Any]) -> Any:
+    if "default_factory" not in kw:
+        kw["default"] = default
+    return Field(json_schema_extra={"fingerprint": fingerprint}, **kw)
+
+
+def OutputField(default: Any = ..., **kw: Any) -> Any:
+    """A field that changes what its stage produces: part of the stage's fingerprint."""
+    return _declared(default, True, kw)
+
+
+def OperationalField(default: Any = ..., **kw: Any) -> Any:
+    """A field that changes how fast or where a stage runs, never what it produces (concurrency,
+    timeouts, devices, progress intervals): left out of the fingerprint, so changing it reuses
+    finished outputs."""
+    return _declared(default, False, kw)
+
+
+def is_output_field(info: Any) -> bool | None:
+    """True / False as the field declares (OutputField / OperationalField), None if undeclared."""
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    return extra.get("fingerprint")
+
+
+def fingerprint_fields(section: BaseModel) -> dict[str, Any]:
+    """The section's values that change its stage's output (JSON mode), by the fields' declarations;
+    an undeclared field counts as output (the safe side: a new output is never a wrong reuse)."""
+    names = {n for n, info in type(section).model_fields.items() if is_output_field(info) is not False}
+    return section.model_dump(mode="json", include=names)
 
 
 class Strict(BaseModel):
@@ -122,14 +147,14 @@ class DataSource(Strict):
 class DataConfig(Strict):
     """Prompt preparation (the `prepare` stage)."""
 
-    sources: list[DataSource] = Field(default_factory=lambda: [DataSource(kind="sharegpt")], min_length=1)
-    min_chars: int = Field(1, ge=1, description="drop conversations whose first user turn is shorter")
-    max_chars: int = Field(16000, ge=1, description="drop conversations longer than this in total")
-    max_turns: int | None = Field(None, ge=1, description="keep at most this many user turns")
-    eval_fraction: float = Field(0.02, ge=0, lt=1)
-    max_eval: int | None = Field(None, ge=1)
-    limit: int | None = Field(None, ge=1, description="keep at most this many conversations in total")
-    seed: int = 0
+    sources: list[DataSource] = OutputField(default_factory=lambda: [DataSource(kind="sharegpt")], min_length=1)
+    min_chars: int = OutputField(1, ge=1, description="drop conversations whose first user turn is shorter")
+    max_chars: int = OutputField(16000, ge=1, description="drop conversations longer than this in total")
+    max_turns: int | None = OutputField(None, ge=1, description="keep at most this many user turns")
+    eval_fraction: float = OutputField(0.02, ge=0, lt=1)
+    max_eval: int | None = OutputField(None, ge=1)
+    limit: int | None = OutputField(None, ge=1, description="keep at most this many conversations in total")
+    seed: int = OutputField(0)
 
     @model_validator(mode="after")
     def _bounds(self) -> "DataConfig":
@@ -141,19 +166,20 @@ class DataConfig(Strict):
 class DatagenConfig(Strict):
     """Regenerating answers with the target through OpenAI-compatible servers."""
 
-    server_urls: list[str] = Field(default_factory=list,
+    server_urls: list[str] = OperationalField(default_factory=list,
                                    description="use these servers; empty = start one with the serve stage")
-    temperature: float = Field(0.0, ge=0)
-    max_tokens: int = Field(512, ge=1)
-    concurrency_per_server: int = Field(8, ge=1)
-    request_timeout_s: float = Field(300.0, gt=0)
-    max_retries: int = Field(4, ge=0)
-    shard_size: int = Field(256, ge=1, description="conversations per committed shard")
-    max_consecutive_failures: int = Field(
+    temperature: float = OutputField(0.0, ge=0)
+    max_tokens: int = OutputField(512, ge=1)
+    concurrency_per_server: int = OperationalField(8, ge=1)
+    request_timeout_s: float = OutputField(300.0, gt=0)
+    max_retries: int = OutputField(4, ge=0)
+    shard_size: int = OutputField(256, ge=1, description="conversations per committed shard")
+    split: Literal["train", "eval"] = OutputField("train", description="prepared split to regenerate")
+    max_consecutive_failures: int = OperationalField(
         10, ge=1, description="a server failing this many attempts in a row (5xx, 429, timeouts, refused "
                               "connections) counts as down: the stage stops, keeping its finished shards")
-    backoff_base_s: float = Field(1.0, gt=0, description="first retry waits up to this long (full jitter)")
-    backoff_max_s: float = Field(30.0, gt=0, description="cap of the exponential retry backoff")
+    backoff_base_s: float = OperationalField(1.0, gt=0, description="first retry waits up to this long (full jitter)")
+    backoff_max_s: float = OperationalField(30.0, gt=0, description="cap of the exponential retry backoff")
 
     @field_validator("server_urls")
     @classmethod
@@ -178,45 +204,78 @@ class DatagenConfig(Strict):
 class DumpConfig(Strict):
     """Capturing the target's hidden states."""
 
-    upstream: Literal["datagen", "prepare"] = Field(
+    upstream: Literal["datagen", "prepare"] = OutputField(
         "datagen", description="dump the regenerated answers (datagen) or the corpus as prepared")
-    aux_layer_ids: list[int] | None = Field(
+    aux_layer_ids: list[int] | None = OutputField(
         None, min_length=3, max_length=3,
         description="0-based 'output of layer i' ids (SGLang/SpecForge); default [1, N//2-1, N-4]")
-    max_length: int = Field(2048, ge=8)
-    tokens_per_batch: int = Field(8192, ge=8)
-    samples_per_shard: int = Field(256, ge=1)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    devices: list[str] = Field(default_factory=lambda: ["auto"],
+    max_length: int = OutputField(2048, ge=8)
+    tokens_per_batch: int = OperationalField(8192, ge=8)
+    samples_per_shard: int = OutputField(256, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = OutputField("auto")
+    devices: list[str] = OperationalField(default_factory=lambda: ["auto"],
                                description="one worker per device; 'auto' = every visible GPU, else cpu")
-    spool_dir: str | None = Field(
+    spool_dir: str | None = OperationalField(
         None, description="local directory for shards before upload (default: the system temp dir); "
                           "needs about (upload_queue + upload_threads + 1) x shard size per device")
-    upload_queue: int = Field(1, ge=1, description="finished shards waiting for upload per device")
-    upload_threads: int = Field(2, ge=1, description="shards uploaded (and verified) in parallel per device")
+    upload_queue: int = OperationalField(1, ge=1, description="finished shards waiting for upload per device")
+    upload_threads: int = OperationalField(2, ge=1, description="shards uploaded (and verified) in parallel per device")
 
 
 class TrainConfig(Strict):
-    """The EAGLE-3 drafter and its training."""
+    """The EAGLE-3 drafter and its training (drafter.training).
 
-    draft_vocab_size: int = Field(32000, ge=2)
-    ttt_length: int = Field(7, ge=1, description="test-time-training unroll depth")
-    epochs: int = Field(1, ge=1)
-    learning_rate: float = Field(1e-4, gt=0)
-    batch_size: int = Field(1, ge=1)
-    max_length: int = Field(2048, ge=8)
-    warmup_ratio: float = Field(0.015, ge=0, lt=1)
-    max_grad_norm: float = Field(0.5, gt=0)
-    save_every_steps: int = Field(500, ge=1)
-    init_from: str | None = Field(None, description="fine-tune from this SGLang-format drafter directory")
-    nproc_per_node: int = Field(1, ge=1, description="GPUs per node; >1 runs under torchrun")
-    seed: int = 0
+    One optimizer step sees `micro_batches_per_step` packed micro-batches of at most
+    `tokens_per_micro_batch` tokens each (the global batch). Under torchrun the ranks split those
+    micro-batches, so `nproc_per_node` changes where the work runs, never what is trained.
+    """
+
+    draft_vocab_size: int = OutputField(32000, ge=2)
+    ttt_length: int = OutputField(7, ge=1, description="test-time-training unroll depth")
+    ttt_decay: float = OutputField(0.8, gt=0, le=1, description="loss weight of TTT step k is ttt_decay**k")
+    epochs: int = OutputField(1, ge=1)
+    max_steps: int | None = OutputField(None, ge=1, description="stop after this many optimizer steps")
+    learning_rate: float = OutputField(1e-4, gt=0)
+    min_lr_ratio: float = OutputField(0.0, ge=0, le=1, description="cosine decays to learning_rate x this")
+    weight_decay: float = OutputField(0.0, ge=0)
+    adam_betas: tuple[float, float] = OutputField((0.9, 0.999))
+    adam_eps: float = OutputField(1e-8, gt=0)
+    batch_size: int = OutputField(1, ge=1, description="legacy alias, unused: the batch is a token budget")
+    max_length: int = OutputField(2048, ge=8, description="samples are cut to this many tokens")
+    tokens_per_micro_batch: int = OutputField(
+        2048, ge=8, description="packing budget of one micro-batch (sequences concatenated, no padding)")
+    micro_batches_per_step: int = OutputField(
+        1, ge=1, description="micro-batches per optimizer step (the global batch; split across ranks)")
+    warmup_ratio: float = OutputField(0.015, ge=0, lt=1)
+    max_grad_norm: float = OutputField(0.5, gt=0)
+    seed: int = OutputField(0)
+    dtype: Literal["auto", "float32", "bfloat16"] = OutputField(
+        "auto", description="compute dtype: auto = bfloat16 on GPU (fp32 master weights), float32 on CPU")
+    init_from: str | None = OutputField(None, description="fine-tune from this SGLang-format drafter directory")
+    eval_every_steps: int = OutputField(
+        200, ge=1, description="held-out metrics at this interval (their values are part of the output)")
+    eval_max_tokens: int | None = OutputField(None, ge=1, description="evaluate on at most this many tokens")
+    save_every_steps: int = OperationalField(500, ge=1, description="checkpoint interval (resume point)")
+    keep_checkpoints: int = OperationalField(2, ge=1, description="older checkpoints are deleted")
+    log_every_steps: int = OperationalField(10, ge=1, description="train metrics / progress interval")
+    nproc_per_node: int = OperationalField(1, ge=1, description="processes (GPUs) per node; >1 runs under torchrun")
+    parallel: Literal["ddp", "fsdp"] = OperationalField(
+        "ddp", description="how several processes share the model: DDP (replicas) or FSDP2 (sharded)")
+    device: str = OperationalField("auto", description="cpu, cuda, cuda:N or auto (the local rank's GPU)")
+    cache_shards: int = OperationalField(
+        2, ge=1, description="dump shards kept on local disk at once (the one read + prefetched ones)")
+    prefetch_shards: int = OperationalField(1, ge=0, description="shards downloaded ahead of the reader")
+    cache_dir: str | None = OperationalField(None, description="local shard cache (default: system temp dir)")
+    compile: bool = OperationalField(False, description="torch.compile the drafter's per-step blocks (GPU)")
+    vocab_chunk: int = OperationalField(
+        32768, ge=256, description="vocabulary rows per chunk of the teacher's full-vocab argmax")
+    threads: int | None = OperationalField(None, ge=1, description="torch CPU threads")
 
 
 class ExportConfig(Strict):
-    formats: list[Literal["sglang", "vllm"]] = Field(default_factory=lambda: ["sglang", "vllm"], min_length=1)
-    eval_prompts: int = Field(32, ge=1, description="held-out prompts for the offline accept length")
-    min_accept_ratio: float = Field(
+    formats: list[Literal["sglang", "vllm"]] = OutputField(default_factory=lambda: ["sglang", "vllm"], min_length=1)
+    eval_prompts: int = OutputField(32, ge=1, description="held-out prompts for the offline accept length")
+    min_accept_ratio: float = OutputField(
         0.7, gt=0, le=1, description="refuse an export whose offline accept length < ratio x predicted")
 
 
@@ -255,26 +314,26 @@ class SpeculativeConfig(Strict):
 
 
 class ServeConfig(Strict):
-    engine: Literal["reference", "sglang", "vllm", "command"] = "reference"
-    host: str = "127.0.0.1"
-    port: int = Field(30000, ge=1, le=65535)
-    draft_path: str | None = Field(None, description="drafter directory; default = this run's export")
-    speculative: SpeculativeConfig | None = None
-    tp_size: int = Field(1, ge=1)
-    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
-    cuda_graph_max_bs: int | None = Field(None, ge=1)
-    disable_cuda_graph: bool = False
-    disable_custom_all_reduce: bool = False
-    max_running_requests: int | None = Field(None, ge=1)
-    device: str = Field("auto", description="reference engine: cpu, cuda, cuda:N or auto")
-    env: dict[str, str] = Field(
+    engine: Literal["reference", "sglang", "vllm", "command"] = OutputField("reference")
+    host: str = OperationalField("127.0.0.1")
+    port: int = OperationalField(30000, ge=1, le=65535)
+    draft_path: str | None = OutputField(None, description="drafter directory; default = this run's export")
+    speculative: SpeculativeConfig | None = OutputField(None)
+    tp_size: int = OutputField(1, ge=1)
+    mem_fraction_static: float | None = OutputField(None, gt=0, lt=1)
+    cuda_graph_max_bs: int | None = OutputField(None, ge=1)
+    disable_cuda_graph: bool = OutputField(False)
+    disable_custom_all_reduce: bool = OutputField(False)
+    max_running_requests: int | None = OutputField(None, ge=1)
+    device: str = OutputField("auto", description="reference engine: cpu, cuda, cuda:N or auto")
+    env: dict[str, str] = OutputField(
         default_factory=dict, description="launch environment (e.g. NCCL_*), saved with the run")
-    extra_args: list[str] = Field(default_factory=list)
-    command: list[str] | None = Field(None, description="engine=command: the server command line")
-    health_url: str | None = Field(None, description="engine=command: URL answering 200 when ready")
-    startup_timeout_s: float = Field(1800.0, gt=0, description="overall deadline to become ready")
-    stall_timeout_s: float = Field(600.0, gt=0, description="no log progress for this long = hung")
-    log_dir: str = "runs/logs"
+    extra_args: list[str] = OutputField(default_factory=list)
+    command: list[str] | None = OutputField(None, description="engine=command: the server command line")
+    health_url: str | None = OperationalField(None, description="engine=command: URL answering 200 when ready")
+    startup_timeout_s: float = OperationalField(1800.0, gt=0, description="overall deadline to become ready")
+    stall_timeout_s: float = OperationalField(600.0, gt=0, description="no log progress for this long = hung")
+    log_dir: str = OperationalField("runs/logs")
 
     @model_validator(mode="after")
     def _engine_fields(self) -> "ServeConfig":
@@ -287,13 +346,13 @@ class ServeConfig(Strict):
 
 
 class BenchConfig(Strict):
-    speculative: list[SpeculativeConfig] = Field(
+    speculative: list[SpeculativeConfig] = OutputField(
         default_factory=list, description="configs to sweep; the baseline (no speculation) is always added")
-    batch_sizes: list[int] = Field(default_factory=lambda: [1], min_length=1)
-    num_prompts: int = Field(32, ge=1)
-    max_tokens: int = Field(256, ge=1)
-    repeats: int = Field(3, ge=1)
-    confidence: float = Field(0.95, gt=0, lt=1)
+    batch_sizes: list[int] = OutputField(default_factory=lambda: [1], min_length=1)
+    num_prompts: int = OutputField(32, ge=1)
+    max_tokens: int = OutputField(256, ge=1)
+    repeats: int = OutputField(3, ge=1)
+    confidence: float = OutputField(0.95, gt=0, lt=1)
 
     @field_validator("batch_sizes")
     @classmethod
@@ -365,21 +424,16 @@ def cross_field_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
                          f"the default {default_aux_layer_ids(layers)} for a {layers}-layer target is "
                          f"not three distinct layers; set them explicitly"))
     if ids is not None and layers is not None:
-        # SGLang captures id i as the INPUT of layer i + 1, so the last layer (N - 1) has no such
-        # input: the usable ids are 0..N-2 (HF hidden_states[N] is already final-normed).
-        bad = [i for i in ids if not 0 <= i < layers - 1]
-        if bad:
-            problems.append(("dump.aux_layer_ids",
-                             f"{bad} out of range for a target with {layers} layers "
-                             f"(ids are 0-based outputs of layers 0..{layers - 2}; SGLang cannot "
-                             f"capture the last layer's output)"))
+        problem = aux_layer_id_problem(ids, layers)
+        if problem is not None:
+            problems.append(("dump.aux_layer_ids", problem))
     if vocab is not None and cfg.train.draft_vocab_size > vocab:
         problems.append(("train.draft_vocab_size",
                          f"{cfg.train.draft_vocab_size} exceeds the target vocab ({vocab})"))
     return problems
 
 
-class ConfigError(Exception):
+class ConfigError(DrafterError):
     """Invalid configuration. Never retried. `problems` is a list of (field, message)."""
 
     def __init__(self, problems: list[tuple[str, str]], source: str | None = None):

@@ -1,0 +1,233 @@
+"""The test-time-training (TTT) unroll of EAGLE-3, as SpecForge trains it, on packed batches.
+
+Semantics (SpecForge `OnlineEagle3Model`, read from its source), per document of n tokens, for
+TTT step k = 0..K-1 and position t:
+  input token   ids[t + 1 + k]            (id 0 past the document's end)
+  hidden        fc(aux[t]) at k = 0, else the drafter's own output of step k-1 at t
+  RoPE position t + k; attention to step-0 keys 0..t and to t's own keys of steps 1..k
+  teacher       softmax over the draft vocab of lm_head_target(final[t + 1 + k])
+  loss weight   decay**k * lm[t + k] * [argmax_full(final[t + 1 + k]) in draft vocab]
+                (lm = loss mask with the document's last token cleared: it has no teacher)
+  loss          sum over positions of weight * CE(teacher, drafter) / tokens in the global batch
+
+Fast path (`fast_ttt_loss`), exact: position t's steps >= 1 depend only on step-0 keys and its own
+chain, so step k is computed only at positions carrying a loss at step k or later (A_k, shrinking
+with k); step 0 computes keys/values everywhere but queries, attention, MLP only on A_0; lm_head and
+the loss only where the loss weight is non-zero; the teacher only at the rows that are used.
+`dense_ttt_loss` is the plain implementation (every position, every step, full logits, the serving
+model's own forward and `ttt_attention_mask`) that the fast path is tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from drafter.model import DraftKVCache, Eagle3Drafter, apply_rope, ttt_attention_mask
+from drafter.training.attention import DocLayout, ttt_attention
+from drafter.training.teacher import TargetHead, Teacher, reference_teacher, soft_cross_entropy
+
+# Columns of the per-step statistics tensor [K, len(STATS)] (sums: add across batches / ranks).
+STATS = ("loss_sum", "loss_positions", "mask_positions", "correct", "chain_correct", "chain_total")
+
+
+@dataclass
+class MicroBatch:
+    """Packed samples (CPU tensors): documents concatenated, no padding."""
+
+    input_ids: torch.Tensor   # int64 [T]
+    loss_mask: torch.Tensor   # bool [T]
+    aux: torch.Tensor         # [T, 3, H_target]
+    final: torch.Tensor       # [T, H_target]
+    doc_lens: list[int]
+    sample_ids: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class StepInputs:
+    """A micro-batch on the device with its TTT plan (everything the fast path needs)."""
+
+    T: int
+    K: int
+    layout: DocLayout
+    pos: torch.Tensor          # int64 [T] position inside the document
+    e_next: torch.Tensor       # [T, H] embedding of ids[t + 1] (id 0 at a document's end)
+    aux: torch.Tensor          # [T, 3 * H_target]
+    teacher: Teacher           # rows = positions v with lm[v] (teacher of final[v + 1])
+    rows: torch.Tensor         # int64 [K, T] teacher row of (k, t) (valid where lm_k)
+    lm: torch.Tensor           # bool [K, T] loss mask shifted by k (accuracy denominators)
+    pm: torch.Tensor           # bool [K, T] loss weight non-zero (position mask)
+    active: torch.Tensor       # bool [K, T] some loss at step k or later
+    target_id: torch.Tensor    # int64 [K, T] full-vocab argmax of the teacher of (k, t)
+
+
+def doc_positions(doc_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(document index, position in document, document length) of each packed token."""
+    lens = torch.tensor(doc_lens, dtype=torch.int64)
+    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(int(lens.sum())) - starts[doc]
+    return doc, pos, lens[doc]
+
+
+def prepare(mb: MicroBatch, embed: torch.Tensor, head: TargetHead, K: int, device, dtype) -> StepInputs:
+    """Shift ids, clear each document's last loss position, run the teacher where it is used and
+    lay out the per-step masks. `embed` is the frozen target embedding (any device)."""
+    T = mb.num_tokens
+    doc, pos, dlen = doc_positions(mb.doc_lens)
+    last = pos == dlen - 1
+    ids = mb.input_ids
+    next_ids = torch.where(last, torch.zeros_like(ids), torch.roll(ids, -1))
+    lm = mb.loss_mask.bool() & ~last
+    e_next = embed[next_ids.to(embed.device)].to(device=device, dtype=dtype)
+    lm_idx = lm.nonzero().flatten()
+    teacher = head(mb.final[lm_idx + 1].to(device))
+    row_of = (torch.cumsum(lm.long(), 0) - 1).clamp_min(0)
+    ind = torch.zeros(T, dtype=torch.bool)
+    tid = torch.zeros(T, dtype=torch.int64)
+    ind[lm_idx] = teacher.in_draft.cpu()
+    tid[lm_idx] = teacher.target_id.cpu()
+    t = torch.arange(T)
+    lmk, pmk, rows, tids = [], [], [], []
+    for k in range(K):
+        valid = pos + k < dlen
+        v = torch.where(valid, t + k, t)
+        lmk.append(valid & lm[v])
+        pmk.append(valid & lm[v] & ind[v])
+        rows.append(row_of[v])
+        tids.append(tid[v])
+    pm = torch.stack(pmk)
+    active = pm.flip(0).cumsum(0).flip(0) > 0
+    lens = torch.tensor([0] + list(mb.doc_lens), dtype=torch.int64)
+    layout = DocLayout(doc=doc.to(device), cu_seqlens=torch.cumsum(lens, 0).to(device=device, dtype=torch.int32),
+                       max_len=max(mb.doc_lens))
+    to = lambda x: x.to(device)
+    return StepInputs(T=T, K=K, layout=layout, pos=to(pos), e_next=e_next,
+                      aux=mb.aux.reshape(T, -1).to(device=device, dtype=dtype), teacher=teacher,
+                      rows=to(torch.stack(rows)), lm=to(torch.stack(lmk)), pm=to(pm), active=to(active),
+                      target_id=to(torch.stack(tids)))
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    # model.apply_rope takes [B, heads, T, d]; ours are [N, heads, d].
+    return apply_rope(x.transpose(0, 1)[None], positions[None], inv_freq)[0].transpose(0, 1)
+
+
+def _mlp_block(layer, h: torch.Tensor) -> torch.Tensor:
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _attn_input(layer, e: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
+    return torch.cat((layer.input_layernorm(e), layer.hidden_norm(hid)), dim=-1)
+
+
+_COMPILED: dict = {}
+
+
+def _blocks(compile: bool):
+    if not compile:
+        return _attn_input, _mlp_block
+    if not _COMPILED:
+        _COMPILED["in"] = torch.compile(_attn_input, dynamic=True)
+        _COMPILED["mlp"] = torch.compile(_mlp_block, dynamic=True)
+    return _COMPILED["in"], _COMPILED["mlp"]
+
+
+def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: float,
+                  attention: str = "auto", compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted loss, statistics [K, len(STATS)] float64) of one micro-batch."""
+    layer, attn = model.midlayer, model.midlayer.self_attn
+    heads, kvh, d = attn.heads, attn.kv_heads, attn.head_dim
+    scale = d ** -0.5
+    if attn.inv_freq.device != si.aux.device:
+        attn.inv_freq = attn.inv_freq.to(si.aux.device)
+    attn_input, mlp_block = _blocks(compile)
+    stats = torch.zeros(si.K, len(STATS), dtype=torch.float64, device=si.aux.device)
+    chain = torch.ones(si.T, dtype=torch.bool, device=si.aux.device)
+    total = si.aux.new_zeros((), dtype=torch.float64 if si.aux.dtype == torch.float64 else torch.float32)
+
+    h_in = model.fc(si.aux)
+    x = attn_input(layer, si.e_next, h_in)
+    k0 = _rope(attn.k_proj(x).view(si.T, kvh, d), si.pos, attn.inv_freq)
+    v0 = attn.v_proj(x).view(si.T, kvh, d)
+    prev_idx = prev_h = None
+    dks: list[torch.Tensor] = []
+    dvs: list[torch.Tensor] = []
+    for k in range(si.K):
+        idx = si.active[k].nonzero().flatten()
+        correct = torch.zeros(si.T, dtype=torch.bool, device=si.aux.device)
+        if idx.numel():
+            if k == 0:
+                hid, xq = h_in[idx], x[idx]
+                q = attn.q_proj(xq).view(-1, heads, d)
+            else:
+                sel = torch.searchsorted(prev_idx, idx)  # A_k is a subset of A_{k-1}
+                hid = prev_h[sel]
+                xq = attn_input(layer, si.e_next[idx + k], hid)
+                q = attn.q_proj(xq).view(-1, heads, d)
+                kk = _rope(attn.k_proj(xq).view(-1, kvh, d), si.pos[idx] + k, attn.inv_freq)
+                dks = [t[sel] for t in dks] + [kk]
+                dvs = [t[sel] for t in dvs] + [attn.v_proj(xq).view(-1, kvh, d)]
+            q = _rope(q, si.pos[idx] + k, attn.inv_freq)
+            out = ttt_attention(q, k0, v0, dks, dvs, idx, si.layout, scale, attention)
+            h = mlp_block(layer, hid + attn.o_proj(out.reshape(idx.numel(), heads * d)))
+            hit = si.pm[k, idx]
+            if hit.any():
+                logits = model.compute_logits(h[hit])
+                where = idx[hit]
+                ce = soft_cross_entropy(logits, si.teacher.probs, si.rows[k, where])
+                total = total + (decay ** k) * ce.sum() / norm
+                with torch.no_grad():
+                    pred = logits.argmax(-1)
+                    correct[where] = model.draft_to_target(pred) == si.target_id[k, where]
+                    stats[k, 0] = ce.detach().sum().double()
+            prev_idx, prev_h = idx, h
+        with torch.no_grad():
+            lm = si.lm[k]
+            stats[k, 1] = si.pm[k].sum()
+            stats[k, 2] = lm.sum()
+            stats[k, 3] = (correct & lm).sum()
+            stats[k, 5] = (chain & lm).sum()
+            chain = chain & correct
+            stats[k, 4] = (chain & lm).sum()
+    return total, stats
+
+
+def dense_ttt_loss(model: Eagle3Drafter, mb: MicroBatch, embed: torch.Tensor, lm_head: torch.Tensor,
+                   t2d: torch.Tensor, K: int, decay: float, norm: float) -> torch.Tensor:
+    """The plain reference: per document, every position at every step through the drafter's own
+    forward with `ttt_attention_mask`, full-vocab fp32 teacher logits, full drafter logits."""
+    dev = model.lm_head.weight.device
+    dtype = model.lm_head.weight.dtype
+    total = torch.zeros((), dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=dev)
+    start = 0
+    for n in mb.doc_lens:
+        sl = slice(start, start + n)
+        start += n
+        ids, lm = mb.input_ids[sl].to(dev), mb.loss_mask[sl].bool().to(dev).clone()
+        lm[-1] = False
+        ref = reference_teacher(mb.final[sl].to(dev), lm_head.to(dev), t2d.to(dev))
+        hidden = mb.aux[sl].reshape(1, n, -1).to(device=dev, dtype=dtype)
+        cache = DraftKVCache()
+        for k in range(K):
+            shifted = torch.zeros(n, dtype=torch.int64, device=dev)
+            if n - 1 - k > 0:
+                shifted[:n - 1 - k] = ids[1 + k:]
+            emb = embed.to(dev)[shifted].to(dtype)[None]
+            positions = (torch.arange(n, device=dev) + k)[None]
+            mask = ttt_attention_mask(n, k, dev)[None, None]
+            logits, hidden = model(emb, hidden, positions, cache, mask)
+            logits = logits[0] if dtype == torch.float64 else logits[0].float()
+            u = torch.arange(n, device=dev) + 1 + k      # teacher row of (k, t)
+            v = torch.arange(n, device=dev) + k          # loss-mask index of (k, t)
+            ok = u < n
+            uc, vc = u.clamp(max=n - 1), v.clamp(max=n - 1)
+            weight = ok & lm[vc] & ref.in_draft[uc]
+            ce = -(ref.probs[uc] * F.log_softmax(logits, -1)).sum(-1)
+            total = total + (decay ** k) * (ce * weight).sum() / norm
+    return total
