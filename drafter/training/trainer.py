@@ -1,0 +1,410 @@
+"""The training loop: `train_drafter(cfg, store, train_split, ...)` -> TrainResult.
+
+Order of work: check the dump against the target (layer ids, convention, hidden size, target
+fingerprint) and `init_from` against the target, before anything is loaded; draft vocab from the
+drafter (init_from) or counted over the training split; resume from the newest complete checkpoint
+of this run; then steps of `micro_batches_per_step` packed micro-batches (split across ranks),
+clipping, AdamW; metrics at intervals; held-out metrics at `eval_every_steps` and at the end;
+checkpoints at `save_every_steps`, at the end, and on SIGTERM (then TrainingInterrupted).
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from drafter.config import LifecycleConfig
+from drafter.layers import LAYER_ID_CONVENTION
+from drafter.model import (Eagle3Drafter, draft_config_for_target, load_drafter, read_target_config,
+                           save_drafter, set_draft_vocab)
+from drafter.stage_output import Manifest, guarded_progress
+from drafter.store import ObjectStore
+from drafter.training import checkpoint as ckpt
+from drafter.training import distributed
+from drafter.training.data import Cursor, DumpExpectation, DumpReader, DumpSplit, Packer, count_vocab
+from drafter.training.errors import DrafterIncompatible, TrainingError
+from drafter.training.metrics import plot_png, summarize, to_jsonl
+from drafter.training.optim import MasterAdamW, clip_gradients, lr_factor
+from drafter.training.teacher import TargetHead, load_target_head
+from drafter.training.ttt import STATS, prepare, fast_ttt_loss
+from drafter.training.vocab import ids_from_maps, select_draft_vocab
+
+log = logging.getLogger(__name__)
+METRICS_FILE = "metrics.jsonl"
+CURVES_FILE = "curves.png"
+
+
+class TrainingInterrupted(TrainingError):
+    """SIGTERM (e.g. Prefect cancellation): a checkpoint was written, the run can resume."""
+
+
+@dataclass
+class TrainResult:
+    drafter_dir: Path            # SGLang-format drafter (config.json + model.safetensors)
+    checkpoint_uri: str          # the final checkpoint in the store
+    metrics_path: Path           # metrics.jsonl (one row per log / eval point)
+    curves_path: Path            # curves.png
+    meta: dict = field(default_factory=dict)  # for the stage manifest (see `train_drafter`)
+
+
+class TTTModule(torch.nn.Module):
+    """The drafter with the fast TTT loss as its forward, so DDP / FSDP2 hooks see every step."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, si, decay: float, norm: float, attention: str = "auto", compile: bool = False):
+        return fast_ttt_loss(self.drafter, si, decay, norm, attention, compile)
+
+
+def check_init_from(model: Eagle3Drafter, target: dict, aux_layer_ids: list[int], draft_vocab_size: int) -> None:
+    """Refuse a starting drafter that does not fit the target, naming each field."""
+    c = model.config
+    problems = []
+    for name, got, want in (("hidden_size", c.hidden_size, target["hidden_size"]),
+                            ("target_hidden_size", c.target_hidden_size, target["hidden_size"]),
+                            ("vocab_size", c.vocab_size, target["vocab_size"]),
+                            ("draft_vocab_size", c.draft_vocab_size, draft_vocab_size)):
+        if got != want:
+            problems.append(f"{name}: drafter has {got}, expected {want}")
+    ids = c.resolved_aux_layer_ids(target["num_hidden_layers"])
+    if list(ids) != list(aux_layer_ids):
+        problems.append(f"eagle_aux_hidden_state_layer_ids: drafter has {ids}, the dump / config use "
+                        f"{list(aux_layer_ids)}")
+    if c.layer_id_convention != LAYER_ID_CONVENTION:
+        problems.append(f"layer_id_convention: drafter has {c.layer_id_convention!r}, expected "
+                        f"{LAYER_ID_CONVENTION!r}")
+    if problems:
+        raise DrafterIncompatible("train.init_from does not fit the target: " + "; ".join(problems))
+
+
+def _init_weights(model: Eagle3Drafter, seed: int, std: float) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=gen) * std)
+
+
+def _compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _rng_state() -> dict:
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _Sigterm:
+    """Turns SIGTERM into a flag the loop checks after each optimizer step."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._old = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.hit = True
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def _split(x: DumpSplit | Manifest | str) -> DumpSplit:
+    return x if isinstance(x, DumpSplit) else DumpSplit(x)
+
+
+def train_drafter(cfg: LifecycleConfig, store: ObjectStore, train_split: DumpSplit | Manifest | str, *,
+                  run_fingerprint: str, out_dir: str | Path, eval_split: DumpSplit | Manifest | str | None = None,
+                  target_fingerprint: str | None = None,
+                  progress: Callable[..., None] | None = None) -> TrainResult:
+    """Train (or resume training) a drafter; returns where its outputs are.
+
+    train_split / eval_split: a committed dump output (manifest or fingerprint) or a DumpSplit
+    (output + shard names). run_fingerprint: the train stage's fingerprint; checkpoints live at
+    `train-checkpoints/<run_fingerprint>.step-N/` and a later call with the same one resumes.
+    target_fingerprint: checked against the dump manifest's (None: not checked).
+    progress(done_steps, total_steps, info): info has loss, accept_length, tokens_per_s.
+    Under torchrun every rank calls this; rank 0 writes the drafter, metrics and checkpoints.
+    """
+    tc = cfg.train
+    d = distributed.init(tc.device)
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    progress = guarded_progress(progress, "train") if d.is_main else None
+    out_dir = Path(out_dir)
+    target = read_target_config(cfg.target.path)
+    aux_ids = cfg.aux_layer_ids()
+    expect = DumpExpectation(aux_layer_ids=aux_ids, hidden_size=target["hidden_size"],
+                             target_fingerprint=target_fingerprint)
+    reader_kw = dict(max_length=tc.max_length, cache_shards=tc.cache_shards,
+                     prefetch_shards=tc.prefetch_shards, cache_dir=tc.cache_dir)
+    train_reader = DumpReader(store, _split(train_split), expect, seed=tc.seed, **reader_kw)
+    eval_reader = (DumpReader(store, _split(eval_split), expect, shuffle=False, **reader_kw)
+                   if eval_split is not None else None)
+    try:
+        return _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run_fingerprint, out_dir,
+                      progress)
+    finally:
+        train_reader.close()
+        if eval_reader is not None:
+            eval_reader.close()
+
+
+def _build_model(cfg: LifecycleConfig, target: dict, aux_ids: list[int], train_reader: DumpReader):
+    tc = cfg.train
+    if tc.init_from:
+        model = load_drafter(tc.init_from, dtype=torch.float32)
+        check_init_from(model, target, aux_ids, tc.draft_vocab_size)
+        model.embed_tokens = None  # the target's embedding is used (frozen), as SGLang does
+        return model.train(), "init_from"
+    config = draft_config_for_target(target, aux_ids, tc.draft_vocab_size)
+    model = Eagle3Drafter(config)
+    _init_weights(model, tc.seed, float(target.get("initializer_range", 0.02)))
+    counts = count_vocab(train_reader, config.vocab_size)
+    set_draft_vocab(model, select_draft_vocab(counts, config.draft_vocab_size))
+    return model.train(), "counted"
+
+
+def _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run, out_dir, progress) -> TrainResult:
+    tc = cfg.train
+    model, vocab_source = _build_model(cfg, target, aux_ids, train_reader)
+    log.info("draft vocab: %s (%d tokens)", "taken from init_from drafter " + str(tc.init_from)
+             if vocab_source == "init_from" else "counted over the training dump", model.config.draft_vocab_size)
+    dtype = _compute_dtype(tc.dtype, d.device)
+    param_dtype = torch.float32 if (tc.parallel == "fsdp" and d.active) else dtype
+    model.to(device=d.device, dtype=param_dtype)
+    embed, lm_head = load_target_head(cfg.target.path)
+    head = TargetHead(lm_head, model.t2d, d.device, dtype, tc.vocab_chunk)
+    embed = embed.to(dtype)  # stays on the CPU: only the batch's rows travel
+    del lm_head
+    module = distributed.wrap(TTTModule(model), d, tc.parallel, dtype)
+    opt = MasterAdamW(list(model.parameters()), tc.learning_rate, tc.adam_betas, tc.adam_eps, tc.weight_decay)
+
+    per_step = tc.tokens_per_micro_batch * tc.micro_batches_per_step
+    total = tc.max_steps or max(1, -(-tc.epochs * train_reader.num_tokens // per_step))
+    warmup = int(tc.warmup_ratio * total)
+    step, cursor, rows = 0, Cursor(), []
+    acc = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64)
+    acc_tokens, resumed_from = 0, None
+    state = ckpt.latest_checkpoint(store, run)
+    if state is not None:
+        _load_state(model, opt, state, d, tc)
+        step, cursor, rows = state["step"], Cursor.from_json(state["cursor"]), list(state["metrics"])
+        acc, acc_tokens = state["acc"].clone(), int(state["acc_tokens"])
+        _set_rng_state(state["rng"])
+        resumed_from = step
+        log.info("resumed from checkpoint step %d", step)
+    else:
+        torch.manual_seed(tc.seed)
+
+    def snapshot() -> dict:
+        return {"run": run, "step": step, "cursor": cursor.to_json(), "metrics": rows, "acc": acc.clone(),
+                "acc_tokens": acc_tokens, "rng": _rng_state(), **_model_state(model, opt, d, tc)}
+
+    def save() -> str:
+        s = snapshot()  # every rank takes part in gathering FSDP2 shards
+        uri = ckpt.save_checkpoint(store, run, step, s, tc.keep_checkpoints) if d.is_main else ""
+        d.barrier()
+        return uri or ckpt.checkpoint_uri(store, run, step)
+
+    packer = Packer(tc.tokens_per_micro_batch, tc.max_length)
+    end = Cursor(tc.epochs, 0, 0)
+    batches = packer.batches(train_reader.samples(cursor, tc.epochs), end)
+    last_uri = None
+    t_log, tok_log = time.perf_counter(), 0
+    saved_at = step if state is not None else None
+    with _Sigterm() as sigterm:
+        while tc.max_steps is None or step < tc.max_steps:
+            group = []
+            for _ in range(tc.micro_batches_per_step):
+                nxt = next(batches, None)
+                if nxt is None:
+                    break
+                group.append(nxt)
+            if len(group) < tc.micro_batches_per_step:
+                break  # the last incomplete global batch is dropped (same for any world size)
+            norm = float(sum(g[1].num_tokens for g in group))
+            mine = group[d.rank::d.world]
+            stats = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64, device=d.device)
+            for i, (_c, mb, _n) in enumerate(mine):
+                si = prepare(mb, embed, head, tc.ttt_length, d.device, dtype)
+                sync = i == len(mine) - 1
+                with _no_sync(module, d, tc.parallel, sync):
+                    loss, st = module(si, tc.ttt_decay, norm, "auto", tc.compile)
+                    # DDP / FSDP2 average gradients over ranks; the loss is already a global sum.
+                    (loss * d.world).backward()
+                stats += st
+            d.all_sum(stats)
+            clip_gradients(list(model.parameters()), tc.max_grad_norm)
+            opt.set_lr(tc.learning_rate * lr_factor(step, warmup, total, tc.min_lr_ratio))
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            cursor = group[-1][2]
+            acc += stats.cpu()
+            acc_tokens += int(norm)
+            tok_log += int(norm)
+            if step % tc.log_every_steps == 0:
+                now = time.perf_counter()
+                rows.append({"split": "train", "step": step, "tokens": acc_tokens, **summarize(acc)})
+                info = {"loss": rows[-1]["loss"][0], "accept_length": rows[-1]["accept_length"],
+                        "tokens_per_s": tok_log / max(now - t_log, 1e-9)}
+                acc.zero_()
+                acc_tokens, t_log, tok_log = 0, now, 0
+                if progress:
+                    progress(step, total, info)
+            if eval_reader is not None and step % tc.eval_every_steps == 0:
+                rows.append({"split": "eval", "step": step, **_evaluate(module, eval_reader, embed, head, d, tc, dtype)})
+            if step % tc.save_every_steps == 0:
+                last_uri, saved_at = save(), step
+            if d.any(sigterm.hit):
+                if saved_at != step:
+                    save()
+                raise TrainingInterrupted(f"SIGTERM at step {step}: checkpoint written, the run resumes from it")
+    if acc_tokens:
+        rows.append({"split": "train", "step": step, "tokens": acc_tokens, **summarize(acc)})
+        acc.zero_()
+        acc_tokens = 0
+    if eval_reader is not None and not (rows and rows[-1]["split"] == "eval" and rows[-1]["step"] == step):
+        rows.append({"split": "eval", "step": step, **_evaluate(module, eval_reader, embed, head, d, tc, dtype)})
+    if saved_at != step or last_uri is None:
+        last_uri = save()
+    return _finish(model, opt, d, tc, rows, out_dir, last_uri, step, resumed_from, vocab_source,
+                   train_reader, eval_reader, aux_ids)
+
+
+class _no_sync:
+    """Skip the gradient all-reduce on all but the last micro-batch of a rank's share."""
+
+    def __init__(self, module, d, parallel: str, sync: bool):
+        self.module, self.active, self.parallel, self.sync = module, d.active, parallel, sync
+        self._ctx = None
+
+    def __enter__(self):
+        if self.active and self.parallel == "fsdp":
+            self.module.set_requires_gradient_sync(self.sync)
+        elif self.active and not self.sync:
+            self._ctx = self.module.no_sync()
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+@torch.no_grad()
+def _evaluate(module, reader: DumpReader, embed, head, d, tc, dtype) -> dict:
+    """Held-out metrics over the eval split (in manifest order, split across ranks)."""
+    stats = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64, device=d.device)
+    packer = Packer(tc.tokens_per_micro_batch, tc.max_length)
+    seen = 0
+    drafter = module.module.drafter if hasattr(module, "module") else module.drafter
+    for i, (_c, mb, _n) in enumerate(packer.batches(reader.samples(Cursor(), 1), Cursor(1, 0, 0))):
+        if tc.eval_max_tokens is not None and seen >= tc.eval_max_tokens:
+            break
+        seen += mb.num_tokens
+        if i % d.world != d.rank:
+            continue
+        si = prepare(mb, embed, head, tc.ttt_length, d.device, dtype)
+        if tc.parallel == "fsdp" and d.active:
+            _loss, st = module(si, tc.ttt_decay, 1.0)  # FSDP2 gathers the shards in forward
+        else:
+            _loss, st = fast_ttt_loss(drafter, si, tc.ttt_decay, 1.0)
+        stats += st
+    d.all_sum(stats)
+    return {"tokens": seen, **summarize(stats)}
+
+
+def _model_state(model, opt: MasterAdamW, d, tc) -> dict:
+    if d.active and tc.parallel == "fsdp":
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        o = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {"model": get_model_state_dict(model, options=o),
+                "fsdp_optim": get_optimizer_state_dict(model, opt.opt, options=o)}
+    return {"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            "optim": opt.state_dict()}
+
+
+def _load_state(model, opt: MasterAdamW, state: dict, d, tc) -> None:
+    if d.active and tc.parallel == "fsdp":
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        o = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, state["model"], options=o)
+        set_optimizer_state_dict(model, opt.opt, state["fsdp_optim"], options=o)
+        return
+    missing = set(state["model"]) ^ set(model.state_dict())
+    if missing:
+        from drafter.training.errors import CheckpointError
+
+        raise CheckpointError(f"checkpoint keys differ from the drafter's: {sorted(missing)}")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+
+
+def _export_state(model, opt: MasterAdamW, d, tc) -> dict:
+    """Full fp32 weights (the masters) + buffers, on the CPU."""
+    if d.active and tc.parallel == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for n, m in zip(names, opt.masters):
+        sd[n] = m.detach().cpu()
+    return sd
+
+
+def _finish(model, opt, d, tc, rows, out_dir, ckpt_uri, step, resumed_from, vocab_source,
+            train_reader, eval_reader, aux_ids) -> TrainResult:
+    sd = _export_state(model, opt, d, tc)
+    drafter_dir = out_dir / "drafter"
+    metrics_path, curves_path = out_dir / METRICS_FILE, out_dir / CURVES_FILE
+    if d.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        export = Eagle3Drafter(model.config)
+        export.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items()})
+        save_drafter(export.to(torch.bfloat16 if tc.dtype != "float32" and d.device.type == "cuda"
+                               else torch.float32), drafter_dir)
+        metrics_path.write_bytes(to_jsonl(rows))
+        curves_path.write_bytes(plot_png(rows))
+    d.barrier()
+    last = lambda split: next((r for r in reversed(rows) if r["split"] == split), None)
+    meta = {
+        "steps": step, "resumed_from_step": resumed_from, "checkpoint": ckpt_uri,
+        "vocab_source": vocab_source, "init_from": tc.init_from,
+        "draft_vocab_size": model.config.draft_vocab_size,
+        "draft_vocab_ids_head": ids_from_maps(model.d2t.cpu())[:8].tolist(),
+        "aux_layer_ids": list(aux_ids), "layer_id_convention": LAYER_ID_CONVENTION,
+        "train_dump": train_reader.manifest.fingerprint,
+        "eval_dump": eval_reader.manifest.fingerprint if eval_reader else None,
+        "world_size": d.world, "parallel": tc.parallel if d.active else "single",
+        "final_train": last("train"), "final_eval": last("eval"),
+    }
+    return TrainResult(drafter_dir=drafter_dir, checkpoint_uri=ckpt_uri, metrics_path=metrics_path,
+                       curves_path=curves_path, meta=meta)
