@@ -66,51 +66,59 @@ class StepInputs:
     target_id: torch.Tensor    # int64 [K, T] full-vocab argmax of the teacher of (k, t)
 
 
-def doc_positions(doc_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def doc_positions(doc_lens: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(document index, position in document, document length) of each packed token."""
-    lens = torch.tensor(doc_lens, dtype=torch.int64)
-    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), lens)
+    lens = torch.tensor(doc_lens, dtype=torch.int64, device=device)
+    doc = torch.repeat_interleave(torch.arange(len(doc_lens), device=device), lens)
     starts = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(int(lens.sum())) - starts[doc]
+    pos = torch.arange(doc.numel(), device=device) - starts[doc]
     return doc, pos, lens[doc]
 
 
-def prepare(mb: MicroBatch, embed: torch.Tensor, head: TargetHead, K: int, device, dtype) -> StepInputs:
-    """Shift ids, clear each document's last loss position, run the teacher where it is used and
-    lay out the per-step masks. `embed` is the frozen target embedding (any device)."""
-    T = mb.num_tokens
-    doc, pos, dlen = doc_positions(mb.doc_lens)
+def next_token_ids(mb: MicroBatch) -> torch.Tensor:
+    """ids[t + 1] inside each document, 0 at its last token (SpecForge pads the shift with 0)."""
+    _doc, pos, dlen = doc_positions(mb.doc_lens, mb.input_ids.device)
+    return torch.where(pos == dlen - 1, torch.zeros_like(mb.input_ids), torch.roll(mb.input_ids, -1))
+
+
+def embed_next(mb: MicroBatch, embed: torch.Tensor) -> torch.Tensor:
+    """Rows of the frozen target embedding for the shifted ids: data preparation, done where the
+    table lives (the CPU), so the 1 GB table of an 8B target never occupies the GPU."""
+    return embed[next_token_ids(mb).to(embed.device)]
+
+
+def prepare(mb: MicroBatch, embed: torch.Tensor | None, head: TargetHead, K: int, device, dtype,
+            e_next: torch.Tensor | None = None) -> StepInputs:
+    """Clear each document's last loss position, run the teacher where it is used and lay out the
+    per-step masks, all on `device`. `e_next` (from `embed_next`) or `embed` (the table) gives the
+    input embeddings."""
+    if e_next is None:
+        e_next = embed_next(mb, embed)
+    ids = mb.input_ids.to(device)
+    T = ids.numel()
+    doc, pos, dlen = doc_positions(mb.doc_lens, device)
     last = pos == dlen - 1
-    ids = mb.input_ids
-    next_ids = torch.where(last, torch.zeros_like(ids), torch.roll(ids, -1))
-    lm = mb.loss_mask.bool() & ~last
-    e_next = embed[next_ids.to(embed.device)].to(device=device, dtype=dtype)
+    lm = mb.loss_mask.to(device).bool() & ~last
     lm_idx = lm.nonzero().flatten()
-    teacher = head(mb.final[lm_idx + 1].to(device))
+    teacher = head(mb.final.to(device)[lm_idx + 1])
     row_of = (torch.cumsum(lm.long(), 0) - 1).clamp_min(0)
-    ind = torch.zeros(T, dtype=torch.bool)
-    tid = torch.zeros(T, dtype=torch.int64)
-    ind[lm_idx] = teacher.in_draft.cpu()
-    tid[lm_idx] = teacher.target_id.cpu()
-    t = torch.arange(T)
-    lmk, pmk, rows, tids = [], [], [], []
-    for k in range(K):
-        valid = pos + k < dlen
-        v = torch.where(valid, t + k, t)
-        lmk.append(valid & lm[v])
-        pmk.append(valid & lm[v] & ind[v])
-        rows.append(row_of[v])
-        tids.append(tid[v])
-    pm = torch.stack(pmk)
+    ind = torch.zeros(T, dtype=torch.bool, device=device)
+    tid = torch.zeros(T, dtype=torch.int64, device=device)
+    ind[lm_idx] = teacher.in_draft
+    tid[lm_idx] = teacher.target_id
+    t = torch.arange(T, device=device)
+    ks = torch.arange(K, device=device)[:, None]
+    valid = pos[None] + ks < dlen[None]                        # [K, T]: t + k inside the document
+    v = torch.where(valid, t[None] + ks, t[None])
+    lmk = valid & lm[v]
+    pm = lmk & ind[v]
     active = pm.flip(0).cumsum(0).flip(0) > 0
     lens = torch.tensor([0] + list(mb.doc_lens), dtype=torch.int64)
-    layout = DocLayout(doc=doc.to(device), cu_seqlens=torch.cumsum(lens, 0).to(device=device, dtype=torch.int32),
+    layout = DocLayout(doc=doc, cu_seqlens=torch.cumsum(lens, 0).to(device=device, dtype=torch.int32),
                        max_len=max(mb.doc_lens))
-    to = lambda x: x.to(device)
-    return StepInputs(T=T, K=K, layout=layout, pos=to(pos), e_next=e_next,
+    return StepInputs(T=T, K=K, layout=layout, pos=pos, e_next=e_next.to(device=device, dtype=dtype),
                       aux=mb.aux.reshape(T, -1).to(device=device, dtype=dtype), teacher=teacher,
-                      rows=to(torch.stack(rows)), lm=to(torch.stack(lmk)), pm=to(pm), active=to(active),
-                      target_id=to(torch.stack(tids)))
+                      rows=row_of[v], lm=lmk, pm=pm, active=active, target_id=tid[v])
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,211 @@
+"""Our EAGLE-3 training step beside SpecForge 0.2.0's, at the anchor's shapes, on one GPU.
+
+One optimizer step = teacher (restricted target head + full-vocab argmax in chunks, position
+mask), the fast TTT unroll, backward, clipping, AdamW on fp32 masters. Synthetic offline features
+like ../shared/anchors/specforge_train_step.py: one 2048-token sequence per step, answer-like loss
+spans covering ~`--loss-fraction` of it, random ids and states; the target lm_head's non-draft rows
+are scaled by 0.5 so the teacher's full-vocab argmax lies in the draft vocab about as often as on
+real chat data (the JSON reports the measured share). Prints one JSON line per run.
+
+  python benchmarks/bench_train.py --loss-fraction 0.6            # ours, Llama-3.1-8B shapes
+  python benchmarks/bench_train.py --exactness                    # fast path == dense on this device
+  python benchmarks/bench_train.py --all --anchor PATH --out DIR  # anchor + ours + exactness, table
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from drafter.model import Eagle3DraftConfig, Eagle3Drafter, set_draft_vocab  # noqa: E402
+from drafter.training.optim import MasterAdamW, clip_gradients  # noqa: E402
+from drafter.training.teacher import TargetHead  # noqa: E402
+from drafter.training.ttt import MicroBatch, dense_ttt_loss, embed_next, fast_ttt_loss, prepare  # noqa: E402
+
+
+def answer_spans_mask(T: int, fraction: float, gen: torch.Generator) -> torch.Tensor:
+    """The anchor's mask: alternating prompt / answer spans, answers ~ `fraction` of the tokens."""
+    m = torch.zeros(T, dtype=torch.long)
+    if fraction >= 1:
+        return m + 1
+    pos = 0
+    while pos < T:
+        prompt = int(torch.randint(32, 160, (1,), generator=gen))
+        answer = max(1, int(prompt * fraction / max(1e-6, 1 - fraction)))
+        pos += prompt
+        m[pos:pos + answer] = 1
+        pos += answer
+    return m
+
+
+def build(a, device, dtype):
+    cfg = Eagle3DraftConfig(hidden_size=a.hidden, intermediate_size=14336 if a.hidden == 4096 else 4 * a.hidden,
+                            num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
+                            draft_vocab_size=a.draft_vocab, target_hidden_size=a.hidden, aux_layer_ids=[1, 15, 28],
+                            rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192)
+    torch.manual_seed(a.seed)
+    model = Eagle3Drafter(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if n.endswith("norm.weight") else torch.randn_like(p) * 0.02)
+    used = torch.arange(0, a.vocab, a.vocab // a.draft_vocab)[:a.draft_vocab]  # the anchor's map
+    set_draft_vocab(model, used)
+    model.to(device=device, dtype=dtype)
+    head_w = torch.randn(a.vocab, a.hidden, dtype=dtype) * 0.02
+    head_w[~model.t2d.cpu()] *= 0.5
+    head = TargetHead(head_w, model.t2d.cpu(), device, dtype, vocab_chunk=32768)
+    del head_w
+    embed = torch.randn(a.vocab, a.hidden, dtype=dtype)  # stays on the CPU, as in the trainer
+    return model, head, embed
+
+
+def batch(a, device, dtype, gen, lens=None):
+    lens = lens or [a.seq]
+    T = sum(lens)
+    lm = torch.cat([answer_spans_mask(n, a.loss_fraction, gen) for n in lens]).bool()
+    mb = MicroBatch(input_ids=torch.randint(0, a.vocab, (T,), generator=gen), loss_mask=lm,
+                    aux=torch.randn(T, 3, a.hidden, generator=gen).to(dtype),
+                    final=torch.randn(T, a.hidden, generator=gen).to(dtype), doc_lens=lens,
+                    sample_ids=[str(i) for i in range(len(lens))])
+    return mb
+
+
+def to_device(mb: MicroBatch, device) -> MicroBatch:
+    return MicroBatch(mb.input_ids.to(device), mb.loss_mask.to(device), mb.aux.to(device), mb.final.to(device),
+                      mb.doc_lens, mb.sample_ids)
+
+
+def run_ours(a) -> dict:
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    model, head, embed = build(a, device, dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = MasterAdamW(params, lr=1e-4)
+    gen = torch.Generator().manual_seed(a.seed)
+    times, fracs = [], []
+    for step in range(a.steps + 3):
+        mb = batch(a, device, dtype, gen)
+        e_next = embed_next(mb, embed).to(device)        # data preparation (frozen table lookup)
+        mb = to_device(mb, device)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        si = prepare(mb, None, head, a.ttt, device, dtype, e_next=e_next)
+        loss, stats = fast_ttt_loss(model, si, 0.8, float(si.T), attention=a.attention, compile=a.compile)
+        loss.backward()
+        clip_gradients(params, 0.5)
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if step >= 3:
+            times.append(dt)
+            fracs.append(float(si.pm[0].float().mean()))
+    med = statistics.median(times)
+    return {"impl": "ours", "compile": a.compile, "attention": a.attention, "seq": a.seq, "ttt": a.ttt, "hidden": a.hidden, "vocab": a.vocab,
+            "draft_vocab": a.draft_vocab, "loss_fraction": a.loss_fraction,
+            "position_mask_fraction_step0": round(statistics.mean(fracs), 3),
+            "trainable_params_M": round(sum(p.numel() for p in params) / 1e6, 1),
+            "step_s_median": round(med, 4), "step_s_min": round(min(times), 4),
+            "tokens_per_s": round(a.seq / med, 1),
+            "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2), "loss": float(loss.detach()),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+
+def exactness(a) -> dict:
+    """Fast path vs the dense reference on a small shape: fp32 (math attention) and bf16 (flash)."""
+    out = {}
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    small = argparse.Namespace(**{**vars(a), "hidden": 128, "heads": 4, "kv_heads": 2, "vocab": 1000,
+                                  "draft_vocab": 250, "seq": 96})
+    for dtype, attention in ((torch.float32, "math"), (torch.bfloat16, "flash" if device.type == "cuda" else "math")):
+        model, head, embed = build(small, device, dtype)
+        head_full = torch.cat([head.draft_rows, head.rest_rows])[torch.argsort(torch.cat([head.draft_ids, head.rest_ids]))]
+        gen = torch.Generator().manual_seed(1)
+        mb = batch(small, device, dtype, gen, lens=[230, 170, 199])
+        si = prepare(mb, embed, head, small.ttt, device, dtype)
+        lf, _ = fast_ttt_loss(model, si, 0.8, float(si.T), attention=attention)
+        gf = torch.autograd.grad(lf, list(model.parameters()))
+        ld = dense_ttt_loss(model, mb, embed, head_full, model.t2d, small.ttt, 0.8, float(si.T))
+        gd = torch.autograd.grad(ld, list(model.parameters()))
+        rel = max(float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-12)) for x, y in zip(gf, gd))
+        key = f"{str(dtype).removeprefix('torch.')}_{attention}"
+        tol_loss, tol_grad = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 5e-2)
+        lf, ld = float(lf.detach()), float(ld.detach())
+        out[key] = {"loss_fast": lf, "loss_dense": ld, "loss_rel_err": abs(lf - ld) / abs(ld),
+                    "grad_max_rel_err": rel, "pass": abs(lf - ld) / abs(ld) < tol_loss and rel < tol_grad}
+    out["device"] = str(device)
+    return out
+
+
+def run_all(a) -> None:
+    out = Path(a.out or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    me = [sys.executable, str(Path(__file__).resolve())]
+    common = ["--loss-fraction", str(a.loss_fraction), "--steps", str(a.steps)]
+    jobs = []
+    if a.anchor:
+        jobs.append(("specforge", [sys.executable, a.anchor, "--loss-fraction", str(a.loss_fraction),
+                                   "--steps", str(a.steps)]))
+    jobs.append(("ours", me + common))
+    jobs.append(("ours-compile", me + common + ["--compile"]))
+    jobs.append(("exactness", me + ["--exactness"]))
+    for name, cmd in jobs:
+        if name == "ours-compile" and "error" in results[-1]:  # flash failed: measure the math path
+            name, cmd = "ours-math", me + common + ["--attention", "math"]
+        t0 = time.time()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.job_timeout)
+        (out / f"{name}.log").write_text(p.stdout + "\n--- stderr ---\n" + p.stderr)
+        line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
+        res = json.loads(line) if line else {"error": p.stderr[-2000:]}
+        res["job"], res["wall_s"] = name, round(time.time() - t0, 1)
+        results.append(res)
+        print(json.dumps(res), flush=True)
+    (out / "bench_train.json").write_text(json.dumps(results, indent=2))
+    sf = next((r for r in results if r["job"] == "specforge" and "tokens_per_s" in r), None)
+    print("\njob            tokens/s   step ms   peak GiB   vs specforge")
+    for r in results:
+        if "tokens_per_s" in r:
+            ratio = f"{r['tokens_per_s'] / sf['tokens_per_s']:.2f}x" if sf else "-"
+            print(f"{r['job']:<14} {r['tokens_per_s']:>9.0f} {r['step_s_median'] * 1e3:>9.1f} "
+                  f"{r['peak_mem_GiB']:>10.2f}   {ratio}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--ttt", type=int, default=7)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--loss-fraction", type=float, default=0.6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--attention", default="auto", help="auto (flash on CUDA) or math")
+    p.add_argument("--exactness", action="store_true")
+    p.add_argument("--all", action="store_true")
+    p.add_argument("--anchor", default=None, help="path of specforge_train_step.py (run in its own process)")
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--job-timeout", type=int, default=240)
+    a = p.parse_args()
+    if a.all:
+        run_all(a)
+    elif a.exactness:
+        print(json.dumps(exactness(a)))
+    else:
+        print(json.dumps(run_ours(a)))
+
+
+if __name__ == "__main__":
+    main()
