@@ -116,6 +116,7 @@ def run_ours(a) -> dict:
             "step_s_median": round(med, 4), "step_s_min": round(min(times), 4),
             "tokens_per_s": round(a.seq / med, 1),
             "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2), "loss": float(loss.detach()),
+            "resident_between_steps_GiB": round(torch.cuda.memory_allocated() / 2 ** 30, 2),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
 
