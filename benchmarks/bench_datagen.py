@@ -22,8 +22,8 @@ from pathlib import Path
 
 from drafter.config import (DataConfig, DatagenConfig, DataSource, DumpConfig, LifecycleConfig, ServeConfig,
                             StorageConfig, TargetConfig, TrainConfig)
-from drafter.datagen import run_datagen, target_server
-from drafter.prepare import run_prepare
+from drafter.stages import datagen, prepare
+from drafter.serving.session import ServerSession
 from drafter.store import open_store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,9 +47,10 @@ def _config(work: Path, n: int, turns: int, target: TargetConfig, **datagen) -> 
 
 def _run(cfg: LifecycleConfig, urls: list[str]) -> tuple[float, dict]:
     store = open_store(cfg.storage)
-    fp = run_prepare(cfg, store).manifest.fingerprint
+    fp = prepare.run(cfg, store).manifest.fingerprint
+    cfg = cfg.model_copy(update={"datagen": cfg.datagen.model_copy(update={"server_urls": urls})})
     t = time.perf_counter()
-    meta = run_datagen(cfg, store, fp, urls).manifest.meta
+    meta = datagen.run(cfg, store, upstream={"prepare": fp}).manifest.meta
     return time.perf_counter() - t, meta
 
 
@@ -116,7 +117,7 @@ def bench_reference(n: int, threads: int) -> None:
             cfg = _config(work, n, 2, TargetConfig(path=str(tmp / "tiny"), name="tiny"),
                           concurrency_per_server=conc, max_tokens=32, shard_size=16)
             cfg = cfg.model_copy(update={"serve": serve})
-            with target_server(cfg) as served:
+            with ServerSession(cfg, target_only=True) as served:
                 wall, meta = _run(cfg, [served.base_url])
             print(f"{conc:>4} {wall:>8.2f} {meta['turns'] / wall:>8.1f} {meta['completion_tokens'] / wall:>8.1f}")
 

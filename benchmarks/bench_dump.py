@@ -6,7 +6,7 @@ untrained Llama-3.2-1B shape (GPU).
     python3 -m benchmarks.bench_dump --targets demo llama-1b --devices auto \\
         --conversations convs.json --max-length 2048 --tokens-per-batch 32768      # every visible GPU
 
-What it answers: end-to-end tokens/s of `run_dump` (tokenise + forward + shard write + verified
+What it answers: end-to-end tokens/s of the dump stage (`drafter.stages.dump.run`) (tokenise + forward + shard write + verified
 upload to a file:// store, model loads included), the forward pass alone on the first device, and
 bytes per stored token against the payload formula (headers and offsets are the difference).
 Targets are built in a temp dir with a short training budget (llama-1b: random weights):
@@ -26,10 +26,9 @@ import torch
 from drafter import capture
 from drafter.config import DemoTargetConfig, TargetConfig, parse_config
 from drafter.demo_target import build_demo_target, build_tokenizer
-from drafter.dump import plan_dump, run_dump
-from drafter.prepare import to_jsonl
+from drafter.stages import dump
 from drafter.shards import project_corpus
-from drafter.stage_output import StageOutput
+from drafter.stage_output import StageOutput, to_jsonl
 from drafter.store import FileStore
 from drafter.tokenize import tokenize_conversation
 
@@ -76,7 +75,7 @@ def bench_target(path: Path, conversations: list[dict], args) -> list[tuple[str,
     num_layers = TargetConfig(path=str(path)).resolved_shape()["num_hidden_layers"]
     cfg = parse_config({
         "target": {"path": str(path)}, "train": {"draft_vocab_size": 2},
-        "dump": {"aux_layer_ids": aux_ids(num_layers), "max_length": args.max_length,
+        "dump": {"upstream": "prepare", "aux_layer_ids": aux_ids(num_layers), "max_length": args.max_length,
                  "tokens_per_batch": args.tokens_per_batch, "samples_per_shard": args.samples_per_shard,
                  "devices": args.devices}})
     samples = conversations[:args.samples]
@@ -86,11 +85,11 @@ def bench_target(path: Path, conversations: list[dict], args) -> list[tuple[str,
         up.write_shard("train.jsonl", to_jsonl(samples))
         up.commit({})
         t = time.perf_counter()
-        meta = run_dump(cfg, store, "prepare", "bench000").manifest.meta
+        meta = dump.run(cfg, store, upstream={"prepare": "bench000"}).manifest.meta
         total = time.perf_counter() - t
 
     # The parts, with the model already loaded, on the first device.
-    plan = plan_dump(cfg, "prepare", "bench000")
+    plan = dump.plan_dump(cfg, {"prepare": "bench000"})
     t = time.perf_counter()
     seqs = [tokenize_conversation(plan.tokenizer, c["messages"], args.max_length)[0] for c in samples]
     t_tok = time.perf_counter() - t

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from drafter.model import init_random_drafter, load_drafter
-from drafter.serving.hf_target import HFTarget
+from drafter.target import HFTarget
 from drafter.serving.speculative import SamplingParams, SpeculativeEngine
 
 

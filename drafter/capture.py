@@ -2,8 +2,8 @@
 of the three aux layers and the final hidden state (after the final norm, the input of lm_head).
 
 Layer ids follow drafter.config.LAYER_ID_CONVENTION (id i = output of decoder layer i = Hugging
-Face `hidden_states[i + 1]`); loading and the range check are drafter.serving.hf_target's, so the
-serving and dump paths cannot drift apart.
+Face `hidden_states[i + 1]`); loading and the range check are drafter.target's, so the serving
+and dump paths cannot drift apart.
 """
 from __future__ import annotations
 
@@ -12,28 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.serving.hf_target import DTYPES, HFTarget, aux_from_hidden_states, check_aux_layer_ids
+from drafter import dtypes
+from drafter.layers import check_aux_layer_ids
+from drafter.target import HFTarget, aux_from_hidden_states, resolve_device
 
 
 def resolve_dtype(dump_dtype: str, target_dtype: str, device: torch.device) -> torch.dtype:
     """The first explicit setting of dump.dtype, target.dtype; else float32 on CPU (half precision
     is slow there and tests compare exactly) and bfloat16 on GPU (half the bytes, what SpecForge
     stores)."""
-    for setting in (dump_dtype, target_dtype):
-        if setting != "auto":
-            return DTYPES[setting]
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return dtypes.resolve_dtype([dump_dtype, target_dtype], device)
 
 
 def resolve_devices(devices: list[str]) -> list[torch.device]:
     """'auto' = every visible GPU (one worker each), else the CPU. One device type per run: the
     dtype (and so the fingerprint) must not depend on which worker computed a shard."""
-    from drafter.serving.hf_target import resolve_device
-
     out: list[torch.device] = []
     for d in devices:
         if d == "auto":

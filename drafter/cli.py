@@ -66,66 +66,61 @@ def demo_target(config: Path = ConfigOpt,
     typer.echo(json.dumps({k: report[k] for k in report if k != "config"}, indent=2, default=str))
 
 
+def _run_stage(name: str, cfg: LifecycleConfig, unit: str, on_line=None):
+    """Run one stage of the table with a progress bar; its upstream comes from the table too."""
+    from drafter.stages import TABLE
+    from drafter.store import open_store
+
+    bar = _progress_bar(name, unit=unit)
+    try:
+        result = TABLE.run(name, cfg, open_store(cfg.storage), progress=bar.update_to, on_line=on_line)
+    finally:
+        bar.close()
+    typer.echo(result.outcome())
+    for line in result.summary:
+        typer.echo(line)
+    return result
+
+
 @app.command("prepare")
 def prepare(config: Path = ConfigOpt) -> None:
     """Normalise, dedupe, filter and split the prompt corpus into the object store."""
-    from drafter.prepare import run_prepare
-    from drafter.store import open_store
-
-    cfg = _load(config)
-    result = run_prepare(cfg, open_store(cfg.storage))
-    _echo_outcome("prepare", result)
-    typer.echo(json.dumps(result.manifest.meta, indent=2, default=str))
+    result = _run_stage("prepare", _load(config), unit="row")
+    typer.echo(json.dumps(result.meta, indent=2, default=str))
 
 
 @app.command("datagen")
 def datagen(config: Path = ConfigOpt,
             server: list[str] = typer.Option([], help="OpenAI-compatible base URL (repeatable); "
                                                       "default: datagen.server_urls, else start serve.engine"),
-            split: str = typer.Option("train", help="prepared split to regenerate")) -> None:
+            split: Optional[str] = typer.Option(None, help="prepared split to regenerate (default: datagen.split)")) -> None:
     """Regenerate the assistant turns of the prepared prompts with the target."""
-    from contextlib import nullcontext
-
-    from drafter.datagen import datagen_output, run_datagen, target_server
-    from drafter.prepare import prepare_fingerprint
-    from drafter.store import open_store
-
-    cfg = _load(config)
-    store = open_store(cfg.storage)
-    prepare_fp = prepare_fingerprint(cfg.data)
-    urls = list(server) or list(cfg.datagen.server_urls)
-    needs_server = not urls and not datagen_output(cfg, store, prepare_fp, split).is_complete()
-    bar = _progress_bar("datagen", unit="conv")
-    with (target_server(cfg, on_line=lambda line: typer.echo(line, err=True)) if needs_server
-          else nullcontext()) as served:
-        if served is not None:
-            urls = [served.base_url]
-        result = run_datagen(cfg, store, prepare_fp, urls, progress=bar.update_to, split=split)
-    bar.close()
-    _echo_outcome("datagen", result)
-    typer.echo(json.dumps(result.manifest.meta, indent=2, default=str))
+    cfg = _override(_load(config), {"datagen.server_urls": list(server) or None, "datagen.split": split})
+    result = _run_stage("datagen", cfg, unit="conv", on_line=lambda line: typer.echo(line, err=True))
+    typer.echo(json.dumps(result.meta, indent=2, default=str))
 
 
 @app.command("dump")
 def dump(config: Path = ConfigOpt,
          device: list[str] = typer.Option([], help="device per worker (repeatable); default: dump.devices")) -> None:
     """Capture the target's aux + final hidden states as verified shards in the object store."""
-    from drafter.datagen import datagen_fingerprint
-    from drafter.dump import run_dump
-    from drafter.prepare import prepare_fingerprint
-    from drafter.store import open_store
+    _run_stage("dump", _override(_load(config), {"dump.devices": list(device) or None}), unit="shard")
 
-    cfg = _load(config)
-    prepare_fp = prepare_fingerprint(cfg.data)
-    upstream = {"prepare": prepare_fp, "datagen": datagen_fingerprint(cfg, prepare_fp)}[cfg.dump.upstream]
-    bar = _progress_bar("dump", unit="shard")
-    result = run_dump(cfg, open_store(cfg.storage), cfg.dump.upstream, upstream, progress=bar.update_to,
-                      devices=list(device) or None)
-    bar.close()
-    meta = result.manifest.meta
-    _echo_outcome("dump", result)
-    typer.echo(f"{meta['num_samples']} samples, {meta['num_tokens']} tokens, "
-               f"{meta['bytes_per_token']:.0f} bytes/token; storage: {meta['storage_projection']}")
+
+def _override(cfg: LifecycleConfig, values: dict) -> LifecycleConfig:
+    """`cfg` with the command-line options that were given (None = not given), validated again."""
+    from drafter.config import parse_config
+
+    data = cfg.model_dump(mode="json")
+    for dotted, value in values.items():
+        if value is not None:
+            section, field = dotted.split(".")
+            data[section][field] = value
+    try:
+        return parse_config(data)
+    except ConfigError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("storage-estimate")
@@ -148,9 +143,9 @@ def serve(config: Path = ConfigOpt,
     """Run an inference server with validated speculative settings behind the readiness gate."""
     from drafter.serving.check import check_server, serve_forever
 
-    cfg = _load(config)
+    cfg = _override(_load(config), {"serve.draft_path": draft})
     on_line = None if quiet else (lambda line: typer.echo(line, err=True))
-    draft_path = draft or cfg.serve.draft_path
+    draft_path = cfg.serve.draft_path
     if check:
         report = check_server(cfg, draft_path=draft_path, faults=tuple(fault), on_line=on_line)
         typer.echo(json.dumps(report, default=str))
@@ -173,12 +168,6 @@ def outputs(config: Path = ConfigOpt) -> None:
     for row in rows:
         typer.echo(f"  {row['stage']:<10} {row['fingerprint']}  {row['shards']:>4} shards "
                    f"{row['bytes'] / 1e6:>10.2f} MB  {row['created_at']}  {row['uri']}")
-
-
-def _echo_outcome(stage: str, result) -> None:
-    """One line per stage run: did it work, or find its output already committed."""
-    state = "skipped (already complete)" if result.skipped else "done"
-    typer.echo(f"{stage} {state}: {result.uri}")
 
 
 class _Bar:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 from drafter.config import DataSource
-from drafter.stage_output import hash_file
+from drafter.hashing import hash_file
 
 # Role names seen in ShareGPT dumps and OpenAI-style rows, mapped to the three chat roles.
 ROLES = {

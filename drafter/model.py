@@ -27,18 +27,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter.config import LAYER_ID_CONVENTION, default_aux_layer_ids
+from drafter.dtypes import dtype_of
+from drafter.errors import DrafterError
+from drafter.layers import LAYER_ID_CONVENTION, check_aux_layer_ids, default_aux_layer_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # Keys the drafter may carry but SGLang does not need: it swaps in the target's embedding.
 OPTIONAL_KEYS = ("embed_tokens.weight",)
-# The dtypes a checkpoint's `torch_dtype` (or a --dtype flag) may name.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class DrafterCheckpointError(ValueError):
+class DrafterCheckpointError(DrafterError, ValueError):
     """A drafter directory that must not be served or exported (names every problem)."""
 
 
@@ -495,12 +495,8 @@ def load_drafter(directory: str | Path, device: str | torch.device = "cpu",
         raise DrafterCheckpointError(f"{directory}: not a loadable EAGLE-3 drafter:\n  " + "\n  ".join(problems))
     model = Eagle3Drafter(config, with_embedding="embed_tokens.weight" in tensors)
     model.load_state_dict(tensors, strict=True)
-    dtype = dtype or _dtype_of(config.torch_dtype)
+    dtype = dtype or dtype_of(config.torch_dtype)
     return model.to(device=device, dtype=dtype).eval()  # .to(dtype) leaves int/bool buffers alone
-
-
-def _dtype_of(name: str) -> torch.dtype:
-    return DTYPES.get(str(name).removeprefix("torch."), torch.float32)
 
 
 def save_drafter(model: Eagle3Drafter, directory: str | Path) -> Path:
@@ -523,22 +519,6 @@ def read_target_config(target_dir: str | Path) -> dict[str, Any]:
     """The text model's config.json of a Hugging Face target (multimodal configs nest it)."""
     data = json.loads((Path(target_dir) / "config.json").read_text())
     return data.get("text_config", data)
-
-
-def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
-    """Our convention's range check. The last layer (N - 1) is excluded: HF returns its output only
-    after the final norm, and SGLang captures aux states at the input of layer i + 1, which does not
-    exist for i = N - 1, so a drafter would be trained on features serving never has."""
-    ids = [int(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < num_layers - 1]
-    if bad:
-        raise ValueError(
-            f"aux layer ids {bad} out of range for a target with {num_layers} decoder layers. "
-            f"Convention {LAYER_ID_CONVENTION!r}: id i = output of decoder layer i (0-based) = HF "
-            f"hidden_states[i + 1], so valid ids are 0..{num_layers - 2} (the last layer's output is "
-            "the final hidden state). Ids in the 'input of layer i' convention (vLLM speculators, "
-            "ModelOpt) are one higher.")
-    return ids
 
 
 def draft_config_for_target(target: dict[str, Any], aux_layer_ids: list[int] | None = None,

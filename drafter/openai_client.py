@@ -24,15 +24,18 @@ from typing import Any
 
 import httpx
 
-from drafter.store import backoff_delay
+from drafter.backoff import backoff_delay
+from drafter.errors import DrafterError
 
 RETRY_STATUS = frozenset({408, 429})  # plus every 5xx
 PROBE_MESSAGES = [{"role": "user", "content": "Hello"}]
 
 
-class DatagenServerDown(Exception):
+class DatagenServerDown(DrafterError):
     """A server stopped answering: too many failed attempts in a row, or a failed 1-token probe.
     Retryable: the stage has saved its finished shards, a re-run resumes after them."""
+
+    retryable = True
 
     def __init__(self, url: str, last_error: str, failures: int):
         self.url, self.last_error, self.failures = url, last_error, failures

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from drafter.errors import DrafterError
+
 FORMAT = "drafter-hidden-states"
 FORMAT_VERSION = 1
 NUM_AUX = 3
@@ -45,7 +47,7 @@ if sys.byteorder != "little":  # safetensors is little-endian; we write raw host
     raise ImportError("drafter.shards needs a little-endian host")
 
 
-class ShardFormatError(ValueError):
+class ShardFormatError(DrafterError, ValueError):
     """A file that is not a hidden-state shard of a version we read."""
 
 

@@ -14,21 +14,21 @@ never silently used.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePath
 from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
-from drafter.store import CHUNK, CorruptObject, ObjectNotFound, ObjectStore, StoreError, check_key
+from drafter.hashing import canonical_json, hash_chunks, hash_file, sha256_hex, short_hash
+from drafter.store import CorruptObject, ObjectNotFound, ObjectStore, StoreError, check_key
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +64,10 @@ def guarded_progress(progress: Progress | None, stage: str) -> Progress | None:
 class ManifestError(StoreError):
     """A `_SUCCESS.json` exists but cannot be used (bad JSON, wrong schema, wrong stage)."""
 
+    retryable = False
+
 
 # ---- fingerprints and hashing
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, BaseModel):
-        return obj.model_dump(mode="json")
-    if isinstance(obj, PurePath):
-        return str(obj)
-    if isinstance(obj, (set, frozenset)):
-        return sorted(obj)
-    # Falling back to str() could hash memory addresses (unstable) or hide a bug: refuse instead.
-    raise TypeError(f"fingerprint: {type(obj).__name__} is not JSON-serializable: {obj!r}")
 
 
 def fingerprint(stage: str, config: dict, upstream: Iterable[str] = (),
@@ -84,24 +75,8 @@ def fingerprint(stage: str, config: dict, upstream: Iterable[str] = (),
     """First 16 hex chars of sha256 over canonical JSON (sorted keys, no whitespace) of all inputs.
     Upstream order is kept: positional upstreams are not interchangeable."""
     payload = {"stage": stage, "config": config, "upstream": list(upstream),
-               "format_version": format_version}
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False, default=_jsonable)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def hash_chunks(chunks: Iterable[bytes]) -> tuple[int, str]:
-    """(size, sha256 hex) of a byte stream, without holding it in memory."""
-    h, n = hashlib.sha256(), 0
-    for chunk in chunks:
-        h.update(chunk)
-        n += len(chunk)
-    return n, h.hexdigest()
-
-
-def hash_file(path: str | os.PathLike) -> tuple[int, str]:
-    with open(path, "rb") as f:
-        return hash_chunks(iter(lambda: f.read(CHUNK), b""))
+                "format_version": format_version}
+    return short_hash(canonical_json(payload))
 
 
 # ---- JSONL shards (prepare, datagen)
@@ -151,11 +126,44 @@ class Manifest(BaseModel):
 
 @dataclass(frozen=True)
 class StageResult:
-    """What a stage run returns: its committed manifest, whether it was already complete, where."""
+    """What every stage's `run` returns, the one shape the CLI, the tasks and the flow read.
 
-    manifest: Manifest
-    skipped: bool
+    `status`: "done" (this run produced the output), "skipped" (it was already complete) or a
+    stage's own word ("ready" for a server that passed its gate). `uri`: where the output is (a
+    store URI, or a server's base URL). `summary`: human-readable lines (CLI output, run log);
+    `table`: {"metric", "value"} rows for a report (a Prefect table artifact). `manifest`: the
+    committed manifest, for stages that write to the store."""
+
+    stage: str
+    status: str
     uri: str
+    fingerprint: str | None = None
+    meta: dict = field(default_factory=dict)
+    manifest: Manifest | None = None
+    summary: tuple[str, ...] = ()
+    table: tuple[dict, ...] = ()
+
+    @property
+    def skipped(self) -> bool:
+        return self.status == "skipped"
+
+    @classmethod
+    def committed(cls, manifest: Manifest, uri: str, skipped: bool, summary: Iterable[str] = (),
+                  table: Iterable[dict] = ()) -> "StageResult":
+        """The result of a stage whose output is `manifest` at `uri`."""
+        return cls(stage=manifest.stage, status="skipped" if skipped else "done", uri=uri,
+                   fingerprint=manifest.fingerprint, meta=manifest.meta, manifest=manifest,
+                   summary=tuple(summary), table=tuple(table))
+
+    def outcome(self) -> str:
+        """One line: did it run, or find its output complete (what `make demo` prints)."""
+        state = {"skipped": "skipped (output already complete)"}.get(self.status, self.status)
+        return f"stage {self.stage}: {state} {self.uri}"
+
+    def to_dict(self) -> dict:
+        """JSON-able (what a Prefect task returns; never data, only where it is and what it holds)."""
+        return {"stage": self.stage, "status": self.status, "skipped": self.skipped, "uri": self.uri,
+                "fingerprint": self.fingerprint, "meta": self.meta, "summary": list(self.summary)}
 
 
 class StageOutput:
@@ -278,7 +286,7 @@ class StageOutput:
             data = data.encode("utf-8")
         if isinstance(data, (bytes, bytearray, memoryview)):
             data = bytes(data)
-            size, sha = len(data), hashlib.sha256(data).hexdigest()
+            size, sha = len(data), sha256_hex(data)
             self.store.put_bytes(key, data)
         elif isinstance(data, os.PathLike):
             try:
@@ -387,7 +395,7 @@ class StageOutput:
         want = self._expected(name)
         key = self.key(name)
         data = self.store.get_bytes(key)
-        self._verify(key, want, len(data), hashlib.sha256(data).hexdigest())
+        self._verify(key, want, len(data), sha256_hex(data))
         return data
 
     def read_jsonl(self, name: str) -> list:

@@ -19,7 +19,6 @@ import contextlib
 import io
 import logging
 import os
-import random
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -27,11 +26,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
+from drafter.backoff import backoff_delay
 from drafter.config import StorageConfig
+from drafter.errors import DrafterError
+from drafter.hashing import CHUNK
 
 log = logging.getLogger(__name__)
 
-CHUNK = 8 * 1024 * 1024  # streaming unit for reads, copies and hashing
 MiB = 1024 * 1024
 # Marks FileStore temp files. Keys may not contain it, so list() can always tell them apart.
 TMP_MARK = ".drafter-tmp-"
@@ -39,16 +40,23 @@ TMP_MARK = ".drafter-tmp-"
 T = TypeVar("T")
 
 
-class StoreError(Exception):
-    """A storage operation failed (after retries, where retrying made sense)."""
+class StoreError(DrafterError):
+    """A storage operation failed (after retries, where retrying made sense): a later attempt may work."""
+
+    retryable = True
 
 
 class ObjectNotFound(StoreError):
-    """The key does not exist."""
+    """The key does not exist (e.g. an upstream stage that was never committed: run it first;
+    waiting will not help)."""
+
+    retryable = False
 
 
 class CorruptObject(StoreError):
-    """An object's bytes do not match what was recorded for it (sha256 or size)."""
+    """An object's bytes do not match what was recorded for it (sha256 or size): a person must look."""
+
+    retryable = False
 
     def __init__(self, key: str, detail: str, uri: str | None = None):
         self.key = key
@@ -275,12 +283,6 @@ class FileStore(ObjectStore):
 
 # --------------------------------------------------------------------------------------------------
 # s3://
-
-
-def backoff_delay(attempt: int, base_s: float, max_s: float, rand: Callable[[], float] = random.random) -> float:
-    """Exponential backoff with full jitter (AWS architecture blog): uniform in
-    [0, min(max_s, base_s * 2**(attempt-1))]. Jitter keeps many workers from retrying in lockstep."""
-    return rand() * min(max_s, base_s * 2 ** (attempt - 1))
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:

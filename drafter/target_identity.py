@@ -9,13 +9,12 @@ trusted identity (a hub revision, a registry digest) sets `target.revision` and 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
 from pathlib import Path
 
-from drafter.stage_output import hash_file
+from drafter.hashing import hash_file, short_hash
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -67,11 +66,8 @@ def target_files(model_path: str | Path) -> list[Path]:
 def target_fingerprint(model_path: str | Path, revision: str | None = None) -> str:
     """16 hex chars naming the target's content (or the user's revision when given)."""
     if revision:
-        return hashlib.sha256(f"revision:{revision}".encode()).hexdigest()[:16]
-    h = hashlib.sha256()
-    for f in target_files(model_path):
-        h.update(f"{f.name}:{_cached_sha256(f)}\n".encode())
-    return h.hexdigest()[:16]
+        return short_hash(f"revision:{revision}")
+    return short_hash("".join(f"{f.name}:{_cached_sha256(f)}\n" for f in target_files(model_path)))
 
 
 def target_identity(target) -> dict:

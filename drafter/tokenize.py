@@ -11,9 +11,10 @@ lacks them gets the same masks it would get with them.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
+
+from drafter.hashing import short_hash
 
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 # End-of-turn tokens of common chat formats. Some templates close `{% generation %}` before the
@@ -137,7 +138,7 @@ def _template_text(tokenizer) -> str | None:
 
 
 def _sha16(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    return short_hash(text)
 
 
 def template_hash(tokenizer) -> str:

@@ -1,19 +1,12 @@
-"""What every stage task shares: retry policy, progress artifacts, run logging."""
+"""What every stage task shares: the one retry policy, progress artifacts, run logging."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
 
-from drafter.config import ConfigError
-from drafter.stage_output import ManifestError
-from drafter.store import CorruptObject, ObjectNotFound, StoreError
-
-# Errors that a retry cannot fix: bad configuration, corrupted data or an unusable manifest that
-# needs a human, an upstream stage that was never committed (run it first; waiting will not help).
-NEVER_RETRY = (ConfigError, CorruptObject, ManifestError, ObjectNotFound)
+from drafter.errors import is_retryable
 
 
 def failure_of(state) -> BaseException | None:
@@ -24,20 +17,13 @@ def failure_of(state) -> BaseException | None:
     return result if isinstance(result, BaseException) else None
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Storage and network trouble; never configuration or integrity errors."""
-    return not isinstance(exc, NEVER_RETRY) and isinstance(exc, (StoreError, OSError, TimeoutError, ConnectionError))
-
-
-def retry_if(predicate: Callable[[BaseException], bool]) -> Callable[..., bool]:
-    """A Prefect `retry_condition_fn`: retry when the task failed with an exception `predicate` accepts."""
-    def condition(task, task_run, state) -> bool:
-        exc = failure_of(state)
-        return exc is not None and predicate(exc)
-    return condition
-
-
-retry_transient = retry_if(is_transient)
+def retry_retryable(task, task_run, state) -> bool:
+    """The Prefect `retry_condition_fn` of every stage task: retry exactly when the error says a
+    later attempt can succeed (`drafter.errors.DrafterError.retryable`): transient storage and
+    network trouble, crashed / stalled / health-timeout starts, a server that went down mid-run.
+    Configuration, integrity and missing-upstream errors fail at once."""
+    exc = failure_of(state)
+    return exc is not None and is_retryable(exc)
 
 
 class ProgressArtifact:
@@ -63,3 +49,21 @@ class ProgressArtifact:
 
 def log():
     return get_run_logger()
+
+
+def reap_left_servers(flow, flow_run, state) -> None:
+    """on_cancellation / on_crashed hook (it runs in ANOTHER process): kill every server whose pid
+    file is still in the run's log directory, i.e. one the cancelled run could not tear down."""
+    from pathlib import Path
+
+    from drafter.config import LifecycleConfig, load_config
+    from drafter.serving.launcher import reap
+
+    params = flow_run.parameters or {}
+    config = params.get("config") or params.get("cfg")
+    if config is not None:
+        cfg = config if isinstance(config, LifecycleConfig) else LifecycleConfig.model_validate(config)
+    else:
+        cfg = load_config(params.get("profile", "profiles/demo.yaml"))
+    for pid_path in sorted(Path(cfg.serve.log_dir).glob("*.pid.json")):
+        print(f"reaping {pid_path}: {reap(pid_path)}", flush=True)

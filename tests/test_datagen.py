@@ -19,9 +19,9 @@ import pytest
 
 from drafter.config import (ConfigError, DataConfig, DatagenConfig, DataSource, LifecycleConfig,
                             ServeConfig, StorageConfig, TargetConfig, parse_config)
-from drafter.datagen import (DatagenServerDown, datagen_fingerprint, datagen_output, iter_generations,
-                             run_datagen, target_server)
-from drafter.prepare import run_prepare
+from drafter.formats import iter_generations
+from drafter.openai_client import DatagenServerDown
+from drafter.stages import datagen, prepare
 from drafter.store import open_store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,7 +171,24 @@ def make_cfg(tmp_path: Path, storage: StorageConfig, rows: list[dict], **datagen
 
 
 def prepared(cfg: LifecycleConfig, store) -> str:
-    return run_prepare(cfg, store).manifest.fingerprint
+    return prepare.run(cfg, store).manifest.fingerprint
+
+
+def with_datagen(cfg: LifecycleConfig, **update) -> LifecycleConfig:
+    return cfg.model_copy(update={"datagen": cfg.datagen.model_copy(update=update)})
+
+
+def run_datagen(cfg: LifecycleConfig, store, fp: str, urls: list[str], progress=None):
+    """The datagen stage on prepared output `fp` through `urls` (none: it starts serve.engine)."""
+    return datagen.run(with_datagen(cfg, server_urls=list(urls)), store, upstream={"prepare": fp}, progress=progress)
+
+
+def datagen_output(cfg: LifecycleConfig, store, fp: str):
+    return datagen.output(cfg, store, {"prepare": fp})
+
+
+def datagen_fingerprint(cfg: LifecycleConfig, fp: str, split: str = "train") -> str:
+    return datagen.fingerprint(with_datagen(cfg, split=split), {"prepare": fp})
 
 
 def gen_shards(cfg, store, fp) -> dict:
@@ -342,10 +359,11 @@ def test_server_down_survives_pickling():
 CHILD = """
 import sys
 from drafter.config import LifecycleConfig
-from drafter.datagen import run_datagen
+from drafter.stages import datagen
 from drafter.store import open_store
 cfg = LifecycleConfig.model_validate_json(sys.argv[1])
-run_datagen(cfg, open_store(cfg.storage), sys.argv[2], [sys.argv[3]])
+cfg = cfg.model_copy(update={"datagen": cfg.datagen.model_copy(update={"server_urls": [sys.argv[3]]})})
+datagen.run(cfg, open_store(cfg.storage), upstream={"prepare": sys.argv[2]})
 """
 
 
@@ -407,9 +425,6 @@ def test_fingerprint_ignores_only_operational_settings(tmp_path):
 
 def test_config_errors(tmp_path):
     cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"), [sharegpt(0)])
-    store = open_store(cfg.storage)
-    with pytest.raises(ConfigError, match="datagen.server_urls"):
-        run_datagen(cfg, store, prepared(cfg, store), [])
     with pytest.raises(ConfigError, match="server URLs must be http"):
         parse_config({"target": {"path": "/x"}, "datagen": {"server_urls": ["localhost:30000"]}})
     with pytest.raises(ConfigError, match="max_consecutive_failures"):
@@ -417,10 +432,9 @@ def test_config_errors(tmp_path):
 
 
 def test_task_retries_only_transient_failures():
-    pytest.importorskip("prefect")
+    from drafter.errors import is_retryable as is_transient
     from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, ServerCrashed
     from drafter.store import CorruptObject, StoreError
-    from tasks.datagen import is_transient
 
     assert is_transient(DatagenServerDown("http://h:1", "connection: refused", 10))
     assert is_transient(ServerCrashed("exited", engine="reference"))
@@ -433,8 +447,8 @@ def test_task_retries_only_transient_failures():
 
 
 def test_reference_engine_on_tiny_target(tmp_path, tiny_target):
-    """The real thing: our reference server on the tiny target, started, gated and torn down by
-    the serve machinery, regenerating a multi-turn conversation."""
+    """The real thing: with no server URL the stage starts our reference server on the tiny target
+    itself (through the server session: gated, torn down), regenerating a multi-turn conversation."""
     import socket
 
     with socket.socket() as s:
@@ -449,8 +463,11 @@ def test_reference_engine_on_tiny_target(tmp_path, tiny_target):
                              extra_args=["--cpu-threads", "1"], startup_timeout_s=120, stall_timeout_s=60)})
     store = open_store(cfg.storage)
     fp = prepared(cfg, store)
-    with target_server(cfg) as served:
-        result = run_datagen(cfg, store, fp, [served.base_url])
+    lines = []
+    result = datagen.run(cfg, store, upstream={"prepare": fp}, on_line=lines.append)
+    assert any("ready to roll" in line for line in lines)  # start-up lines reach the caller
+    assert len(list((tmp_path / "logs").glob("reference-*.launch.json"))) == 1
+    assert not list((tmp_path / "logs").glob("*.pid.json"))  # torn down
     records = list(iter_generations(store, result.manifest))
     assert [r["id"] for r in records] == ["c000", "c001"]
     assert [len(r["finish_reasons"]) for r in records] == [2, 1]
@@ -458,7 +475,7 @@ def test_reference_engine_on_tiny_target(tmp_path, tiny_target):
     assert all(0 < r["usage"]["completion_tokens"] <= 6 * len(r["finish_reasons"]) for r in records)
     assert [m["role"] for m in records[0]["messages"]] == ["user", "assistant", "user", "assistant"]
     assert not any("OLD" in m["content"] for r in records for m in r["messages"])
-    assert records[0]["gen"]["model"] == "tiny" and records[0]["gen"]["server"] == served.base_url
+    assert records[0]["gen"]["model"] == "tiny" and records[0]["gen"]["server"] == f"http://127.0.0.1:{port}"
     with socket.socket() as s:  # torn down: the port is free again
         s.bind(("127.0.0.1", port))
 
@@ -478,7 +495,8 @@ def prefect_harness(tmp_path_factory):
 def test_task_retries_a_server_down_and_resumes(tmp_path, fakes, prefect_harness):
     from prefect import flow
 
-    from tasks.datagen import datagen_task
+    from drafter.stages import TABLE
+    from tasks.stage import stage_task
 
     fake = fakes()
     fake.fail = lambda body, attempt: 500 if 4 <= len(fake.received) - 1 < 8 else None  # a short outage
@@ -489,10 +507,11 @@ def test_task_retries_a_server_down_and_resumes(tmp_path, fakes, prefect_harness
 
     @flow
     def once():
-        return datagen_task.with_options(retry_delay_seconds=0, retry_jitter_factor=None)(cfg, fp)
+        task = stage_task(TABLE["datagen"], TABLE).with_options(retry_delay_seconds=0, retry_jitter_factor=None)
+        return task(cfg, {"prepare": fp})
 
     report = once()
-    assert not report["skipped"] and report["server_urls"] == [fake.url]
+    assert not report["skipped"] and [s["url"] for s in report["meta"]["throughput"]["servers"]] == [fake.url]
     assert report["meta"]["generated"] == 8 and report["meta"]["resumed_shards"] == 2
     answered = [last_user(b) for n, b in enumerate(fake.received) if not 4 <= n < 8]
     assert sorted(answered) == sorted(f"question {i}.0" for i in range(8))  # each exactly once

@@ -15,10 +15,12 @@ import pytest
 import torch
 import yaml
 
-from drafter import capture, dump
+from drafter import capture
 from drafter.config import LAYER_ID_CONVENTION, ConfigError, parse_config
-from drafter.dump import DumpMismatch, iter_dump_samples, read_conversations, run_dump, shard_name
-from drafter.prepare import to_jsonl
+from drafter.formats import DumpMismatch, iter_dump_samples, read_conversations
+from drafter.formats import hidden_state_shard_name as shard_name
+from drafter.stage_output import to_jsonl
+from drafter.stages import dump
 from drafter.shards import (FINAL_HIDDEN, HiddenStateShard, bytes_per_token, project_corpus,
                             storage_projection, write_shard_file)
 from drafter.stage_output import StageOutput
@@ -32,10 +34,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 def make_cfg(target, root: str = "file:///unused", **dump_overrides):
     dump_section = dict(aux_layer_ids=AUX, max_length=MAXLEN, tokens_per_batch=BUDGET, samples_per_shard=4,
-                        devices=["cpu"])
+                        devices=["cpu"], upstream="prepare")
     dump_section.update(dump_overrides)
     return parse_config({"target": {"path": str(target)}, "dump": dump_section,
                          "train": {"draft_vocab_size": 256}, "storage": {"root": root}})
+
+
+def run_dump(cfg, store, upstream_stage: str, fp: str, devices: list[str] | None = None):
+    """The dump stage's entry point on `upstream_stage`'s output `fp` (on `devices` if given)."""
+    update = {"upstream": upstream_stage, **({"devices": devices} if devices else {})}
+    cfg = cfg.model_copy(update={"dump": cfg.dump.model_copy(update=update)})
+    return dump.run(cfg, store, upstream={upstream_stage: fp})
+
+
+def plan(cfg, upstream_stage: str, fp: str):
+    return dump.plan_dump(cfg.model_copy(update={"dump": cfg.dump.model_copy(update={"upstream": upstream_stage})}),
+                          {upstream_stage: fp})
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +166,10 @@ def test_manifest_meta_and_skip_without_model_load(tmp_path, tiny_target, convs,
     again = run_dump(cfg, store, "prepare", fp, devices=["cpu", "cpu"])  # workers: not in the fingerprint
     assert again.skipped and again.manifest == first.manifest
     # What changes the bytes' meaning changes the fingerprint (a new output, never a stale one).
-    assert dump.plan_dump(make_cfg(tiny_target, max_length=64), "prepare", fp).fingerprint != first.manifest.fingerprint
-    assert dump.plan_dump(make_cfg(tiny_target, aux_layer_ids=[0, 2, 1]), "prepare", fp).fingerprint \
+    assert plan(make_cfg(tiny_target, max_length=64), "prepare", fp).fingerprint != first.manifest.fingerprint
+    assert plan(make_cfg(tiny_target, aux_layer_ids=[0, 2, 1]), "prepare", fp).fingerprint \
         != first.manifest.fingerprint
-    assert dump.plan_dump(cfg, "prepare", "another0").fingerprint != first.manifest.fingerprint
+    assert plan(cfg, "prepare", "another0").fingerprint != first.manifest.fingerprint
 
 
 def test_datagen_upstream_is_read_in_shard_order(tmp_path, tiny_target, convs):
@@ -184,9 +198,9 @@ def test_bad_records_and_answerless_samples_are_quarantined(tmp_path, tiny_targe
 
 def test_last_layer_as_aux_is_a_config_error(tiny_target):
     with pytest.raises(ConfigError, match="dump.aux_layer_ids"):
-        dump.plan_dump(make_cfg(tiny_target, aux_layer_ids=[0, 1, 3]), "prepare", "x")
+        plan(make_cfg(tiny_target, aux_layer_ids=[0, 1, 3]), "prepare", "x")
     with pytest.raises(ValueError, match="dump reads the output of"):
-        dump.plan_dump(make_cfg(tiny_target), "train", "x")
+        plan(make_cfg(tiny_target), "train", "x")
 
 
 # ---- quarantine of non-finite states
@@ -237,9 +251,9 @@ def test_nan_sample_is_quarantined_and_its_batch_mates_are_untouched(tmp_path, t
 CHILD = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from drafter import dump
     from drafter.config import load_config
     from drafter.stage_output import StageOutput
+    from drafter.stages import dump
     from drafter.store import FileStore
 
     cfg_path, store_root, log_path, slow_s = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
@@ -257,7 +271,7 @@ CHILD = textwrap.dedent("""
         return built
 
     StageOutput.write_shard, dump.build_shard = write_shard, build_shard
-    result = dump.run_dump(load_config(cfg_path), FileStore(store_root), "prepare", "prep0000")
+    result = dump.run(load_config(cfg_path), FileStore(store_root), upstream={"prepare": "prep0000"})
     print(result.uri, result.manifest.meta["num_samples"])
 """)
 

@@ -10,12 +10,13 @@ import httpx
 import pytest
 
 from drafter.config import SpeculativeConfig, parse_config
+from drafter.errors import is_retryable
 from drafter.serving.engines import (
     check_speculative_settings, counters_delta, make_engine, parse_prometheus, sglang_accept_length,
     sglang_avg_accept_length, sglang_settings_from_info, vllm_accept_length, vllm_settings_from_log,
     vllm_spec_counters)
 from drafter.serving.errors import (
-    HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled, ServerStartError, is_retryable)
+    HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled, ServerStartError)
 
 NCCL = {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring", "NCCL_P2P_LEVEL": "SYS", "NCCL_MAX_NCHANNELS": "16",
         "NCCL_BUFFSIZE": "16777216", "NCCL_NTHREADS": "512"}

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from drafter.serving.launcher import group_members
-from tasks.serve import reap_left_servers
+from tasks.common import reap_left_servers
 from tests.fixtures.net import free_port
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_server.py"

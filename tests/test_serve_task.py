@@ -7,10 +7,11 @@ import pytest
 from prefect import flow
 from prefect.testing.utilities import prefect_test_harness
 
-import tasks.serve as serve_module
+import drafter.stages.serve as serve_module
 from drafter.config import parse_config
 from drafter.serving.errors import ServerConfigError, ServerStalled
-from tasks.serve import serve_task
+from drafter.stages import TABLE
+from tasks.stage import stage_task
 from tests.fixtures.net import free_port
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_server.py"
@@ -59,13 +60,14 @@ def fake_config(tmp_path, *fake_args, port=None):
 
 @flow
 def serve_once(cfg):
-    return serve_task.with_options(retry_delay_seconds=0, retry_jitter_factor=None)(cfg)
+    task = stage_task(TABLE["serve"], TABLE).with_options(retry_delay_seconds=0, retry_jitter_factor=None)
+    return task(cfg, {})
 
 
 def test_ready_server_passes(tmp_path, attempts):
-    report = serve_once(fake_config(tmp_path))
-    assert report["status"] == "ready" and len(attempts) == 1
-    assert Path(report["launch_path"]).is_file()
+    result = serve_once(fake_config(tmp_path))
+    assert result["status"] == "ready" and len(attempts) == 1
+    assert Path(result["meta"]["launch_path"]).is_file()
 
 
 def test_stalled_start_is_retried_then_fails(tmp_path, attempts):

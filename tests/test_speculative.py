@@ -11,7 +11,7 @@ import torch
 from drafter.model import (
     DraftKVCache, Eagle3Drafter, draft_config_for_target, init_random_drafter, load_drafter, read_target_config,
     save_drafter, set_draft_vocab)
-from drafter.serving.hf_target import HFTarget
+from drafter.target import HFTarget
 from drafter.serving.speculative import SamplingParams, SpeculativeEngine, accept_drafts
 
 

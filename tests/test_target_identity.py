@@ -6,7 +6,7 @@ from safetensors.torch import load_file, save_file
 
 import drafter.target_identity as identity
 from drafter.config import parse_config
-from drafter.datagen import datagen_fingerprint
+from drafter.stages import datagen
 from drafter.target_identity import target_fingerprint
 
 
@@ -58,6 +58,6 @@ def test_missing_weights_are_an_error(tmp_path):
 def test_datagen_output_is_not_reused_for_a_retrained_target(target_copy):
     cfg = parse_config({"target": {"path": str(target_copy)}, "train": {"draft_vocab_size": 64},
                         "dump": {"aux_layer_ids": [0, 1, 2]}})
-    before = datagen_fingerprint(cfg, "prep")
+    before = datagen.fingerprint(cfg, {"prepare": "prep"})
     retrain(target_copy)
-    assert datagen_fingerprint(cfg, "prep") != before
+    assert datagen.fingerprint(cfg, {"prepare": "prep"}) != before

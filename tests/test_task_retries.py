@@ -1,16 +1,17 @@
-"""Which failures the stage tasks retry: transient storage trouble yes; configuration errors,
-corrupted objects and missing upstream outputs never."""
+"""Which failures the stage tasks retry, decided by the error's type (one predicate for every
+stage): transient storage trouble, typed server start failures and a server that went down yes;
+configuration errors, corrupted objects and missing upstream outputs never."""
 
 import pytest
 
 from drafter.config import ConfigError
-from drafter.datagen import DatagenServerDown
+from drafter.openai_client import DatagenServerDown
 from drafter.serving.errors import ServerConfigError, ServerStalled
 from drafter.stage_output import ManifestError
 from drafter.store import CorruptObject, ObjectNotFound, StoreError
-from tasks.common import retry_transient
-from tasks.datagen import retry_datagen
-from tasks.serve import retry_server_start
+from tasks.common import retry_retryable
+
+retry_transient = retry_datagen = retry_server_start = retry_retryable  # one policy for every stage
 
 
 class FailedState:

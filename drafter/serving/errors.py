@@ -2,14 +2,17 @@
 
 A 20-minute server start can fail in ways that deserve a retry (crash, hang, health check
 never passing) and in ways that never will succeed (bad flags, port taken, missing model).
-The type says which, so a retry policy can ask `is_retryable(exc)` instead of parsing text.
+The type says which (`retryable`, from drafter.errors.DrafterError), so the one retry policy
+asks the error instead of parsing text.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+from drafter.errors import DrafterError
 
-class ServerStartError(Exception):
+
+class ServerStartError(DrafterError):
     """A server did not become ready. `status` is the short word reports use."""
 
     status = "error"
@@ -53,6 +56,7 @@ class ServerCrashed(ServerStartError):
     """The process exited (or logged a fatal line) before it was ready."""
 
     status = "crashed"
+    retryable = True
 
     def __init__(self, message: str, *, exit_code: int | None = None, **kw: Any):
         super().__init__(message, exit_code=exit_code, **kw)
@@ -63,6 +67,7 @@ class ServerStalled(ServerStartError):
     CUDA graph capture hang). `seconds` is the time since the last progress."""
 
     status = "stalled"
+    retryable = True
 
 
 class HealthCheckTimeout(ServerStartError):
@@ -70,6 +75,7 @@ class HealthCheckTimeout(ServerStartError):
     `failing` names the checks that still failed (health / model listing / generation)."""
 
     status = "health_timeout"
+    retryable = True
 
     def __init__(self, message: str, *, failing: Sequence[str] = (), **kw: Any):
         super().__init__(message, failing=list(failing), **kw)
@@ -81,7 +87,7 @@ class ServerConfigError(ServerStartError):
     status = "config_error"
 
 
-class TeardownError(Exception):
+class TeardownError(DrafterError):
     """The server could not be fully stopped: processes left, port held, GPU memory kept.
     Not a start failure: the next launch on this host would fail, so a person must look."""
 
@@ -91,8 +97,3 @@ class TeardownError(Exception):
 
     def __reduce__(self):
         return (TeardownError, (self.problems,))
-
-
-def is_retryable(exc: BaseException) -> bool:
-    """True for crashed / stalled / health-timeout starts only; never for configuration errors."""
-    return isinstance(exc, (ServerCrashed, ServerStalled, HealthCheckTimeout))

@@ -544,7 +544,7 @@ def load_engine(args: argparse.Namespace):
     """Weights (target, then draft) and the KV cache phase, with SGLang's log lines."""
     import torch
 
-    from drafter.serving.hf_target import HFTarget, resolve_device
+    from drafter.target import HFTarget, resolve_device
 
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from drafter.model import DraftKVCache, Eagle3Drafter
-from drafter.serving.hf_target import HFTarget, crop_cache
+from drafter.target import HFTarget, crop_cache
 
 # Returns how many output tokens to keep when a stop condition (e.g. a stop string) is met.
 StopFn = Callable[[list[int]], "int | None"]

@@ -10,18 +10,19 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
-from drafter.config import DataConfig, LifecycleConfig
+from drafter.config import DataConfig, LifecycleConfig, fingerprint_fields
 from drafter.data import ReadStats, RowError, normalise_row, read_source, source_identity, truncate_turns
-from drafter.stage_output import (Manifest, Progress, StageOutput, StageResult, fingerprint, guarded_progress,
-                                  to_jsonl)
+from drafter.formats import PREPARE as STAGE
+from drafter.formats import SPLITS, split_file
+from drafter.hashing import sha256_hex
+from drafter.stage_output import Progress, StageOutput, StageResult, guarded_progress, to_jsonl
+from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore
 
-STAGE = "prepare"
-SPLITS = ("train", "eval")
-PrepareResult = StageResult  # the name callers and tests use
+OUTPUT_FILES = (*(split_file(s) for s in SPLITS), "quarantine.jsonl")
 
 
 @dataclass
@@ -43,7 +44,7 @@ def source_labels(data: DataConfig) -> list[str]:
 def user_key(messages: list[dict]) -> str:
     """Dedupe key: the user turns only (answers get regenerated, so they do not make a prompt new)."""
     users = [m["content"].strip() for m in messages if m["role"] == "user"]
-    return hashlib.sha256(json.dumps(users, ensure_ascii=False).encode()).hexdigest()
+    return sha256_hex(json.dumps(users, ensure_ascii=False))
 
 
 def _filter_reason(messages: list[dict], data: DataConfig) -> str | None:
@@ -151,31 +152,32 @@ def prepare_conversations(data: DataConfig, progress: Progress | None = None) ->
     return out
 
 
-def prepare_fingerprint(data: DataConfig) -> str:
+def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str] | None = None) -> str:
     """Config section + identity (version/size or sha256) of every input; no row is parsed."""
-    inputs = [source_identity(s) for s in data.sources]
-    return fingerprint(STAGE, {"data": data.model_dump(mode="json"), "inputs": inputs})
+    inputs = [source_identity(s) for s in cfg.data.sources]
+    return stage_fingerprint(STAGE, {"data": fingerprint_fields(cfg.data), "inputs": inputs})
 
 
-def run_prepare(cfg: LifecycleConfig, store: ObjectStore, progress: Progress | None = None) -> PrepareResult:
-    out = StageOutput(store, STAGE, prepare_fingerprint(cfg.data))
+def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str] | None = None,
+        progress: Progress | None = None, on_line=None) -> StageResult:
+    """Normalise, dedupe, filter and split the sources; skip when the output is complete."""
+    out = StageOutput(store, STAGE, fingerprint(cfg))
     if out.is_complete():
-        return PrepareResult(manifest=out.manifest, skipped=True, uri=out.uri)
+        return _result(out, skipped=True)
     prepared = prepare_conversations(cfg.data, progress)
     done = out.completed_shards()  # a killed earlier run: keep shards that are already identical
-    for name, rows in (("train.jsonl", prepared.train), ("eval.jsonl", prepared.eval),
-                       ("quarantine.jsonl", prepared.quarantine)):
+    for name, rows in zip(OUTPUT_FILES, (prepared.train, prepared.eval, prepared.quarantine)):
         blob = to_jsonl(rows)
-        if name in done and done[name].sha256 == hashlib.sha256(blob).hexdigest():
+        if name in done and done[name].sha256 == sha256_hex(blob):
             continue
         out.write_shard(name, blob, meta={"rows": len(rows)})
-    manifest = out.commit(prepared.meta, expect=["train.jsonl", "eval.jsonl", "quarantine.jsonl"])
-    return PrepareResult(manifest=manifest, skipped=False, uri=out.uri)
+    out.commit(prepared.meta, expect=OUTPUT_FILES)
+    return _result(out, skipped=False)
 
 
-def load_prepared(store: ObjectStore, manifest_or_fingerprint: Manifest | str,
-                  split: Literal["train", "eval"]) -> list[dict]:
-    """The prepared conversations of one split, read with size + sha256 verification."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return StageOutput.committed(store, STAGE, manifest_or_fingerprint).read_jsonl(f"{split}.jsonl")
+def _result(out: StageOutput, skipped: bool) -> StageResult:
+    meta = out.manifest.meta
+    summary = [f"{meta['kept']} conversations kept of {meta['read']} read: {meta['train']} train, "
+               f"{meta['eval']} eval; {meta['duplicates']} duplicates, {meta['quarantined_total']} quarantined"]
+    return StageResult.committed(out.manifest, out.uri, skipped, summary,
+                                 [{"metric": k, "value": str(v)} for k, v in meta.items()])

@@ -1,6 +1,9 @@
-"""A Hugging Face causal LM as the speculative-decoding target: logits + EAGLE-3 aux features.
+"""A Hugging Face causal LM as the target: logits for serving, EAGLE-3 aux features for the dump.
 
-Aux layer ids follow our one convention (drafter.config.LAYER_ID_CONVENTION): id i is the OUTPUT
+One wrapper for the reference engine, the speculative decoder and the hidden-state dump, so the
+serving and capture paths load the target and map layer ids the same way.
+
+Aux layer ids follow our one convention (drafter.layers.LAYER_ID_CONVENTION): id i is the OUTPUT
 of decoder layer i, which is Hugging Face `hidden_states[i + 1]` (hidden_states[0] is the
 embedding output). This is what SGLang captures for the draft config's ids.
 """
@@ -13,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from drafter.model import DTYPES, check_aux_layer_ids
+from drafter.dtypes import dtype_of, parse_dtype
+from drafter.layers import check_aux_layer_ids
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -33,12 +37,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype: 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r}: expected auto, float32, bfloat16 or float16")
-        return DTYPES[dtype]
+        return parse_dtype(dtype)
     if device.type == "cpu":
         return torch.float32
-    return DTYPES.get(str(config_dtype or "").removeprefix("torch."), torch.bfloat16)
+    return dtype_of(config_dtype, torch.bfloat16)
 
 
 def aux_from_hidden_states(hidden_states: tuple[torch.Tensor, ...], aux_layer_ids: list[int]) -> torch.Tensor:

@@ -20,54 +20,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, Iterator, TypeVar
+from typing import Any, Coroutine, TypeVar
 
-from drafter.config import ConfigError, LifecycleConfig
+from drafter.config import LifecycleConfig, fingerprint_fields
+from drafter.formats import DATAGEN as STAGE
+from drafter.formats import PREPARE, error_shard_name, gen_shard_name, load_prepared
 from drafter.openai_client import ChatClient, DatagenServerDown, RequestFailed, ServerPool
-from drafter.prepare import load_prepared
-from drafter.stage_output import (Manifest, Progress, ShardInfo, StageOutput, StageResult, fingerprint,
-                                  guarded_progress, to_jsonl)
+from drafter.serving.session import ServerSession
+from drafter.stage_output import Progress, ShardInfo, StageOutput, StageResult, guarded_progress, to_jsonl
+from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore
 from drafter.target_identity import target_identity
 
-__all__ = ["DatagenResult", "DatagenServerDown", "STAGE", "datagen_fingerprint", "datagen_output",
-           "iter_generations", "run_datagen", "ServedTarget", "target_server"]
-
 log = logging.getLogger(__name__)
 
-STAGE = "datagen"
-# Settings that change how fast (or whether) the stage runs, never what it writes: a re-run with
-# more servers or a different backoff must resume the same output, not start a new one.
-OPERATIONAL_FIELDS = frozenset({"server_urls", "concurrency_per_server", "max_consecutive_failures",
-                                "backoff_base_s", "backoff_max_s"})
 T = TypeVar("T")
-DatagenResult = StageResult  # the name callers and tests use
 
 
-def gen_shard_name(index: int) -> str:
-    return f"gen-{index:05d}.jsonl"
-
-
-def error_shard_name(index: int) -> str:
-    return f"errors-{index:05d}.jsonl"
-
-
-def datagen_fingerprint(cfg: LifecycleConfig, prepare_fingerprint: str, split: str = "train") -> str:
-    section = cfg.datagen.model_dump(mode="json", exclude=set(OPERATIONAL_FIELDS))
+def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
+    """The datagen section's output fields, the target's identity and the prepared corpus."""
+    section = fingerprint_fields(cfg.datagen)
+    split = section.pop("split")
     # The answers depend on the target's weights and on the name requests use.
     target = {"served_name": cfg.target.served_name, **target_identity(cfg.target)}
-    return fingerprint(STAGE, {"datagen": section, "target": target, "split": split}, [prepare_fingerprint])
+    return stage_fingerprint(STAGE, {"datagen": section, "target": target, "split": split}, [upstream[PREPARE]])
 
 
-def datagen_output(cfg: LifecycleConfig, store: ObjectStore, prepare_fingerprint: str,
-                   split: str = "train") -> StageOutput:
-    return StageOutput(store, STAGE, datagen_fingerprint(cfg, prepare_fingerprint, split))
+def output(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> StageOutput:
+    return StageOutput(store, STAGE, fingerprint(cfg, upstream))
 
 
 # ------------------------------------------------------------------------------------ one shard
@@ -321,14 +306,18 @@ def _drop_stale_errors(out: StageOutput, done: dict[str, ShardInfo], todo: list[
             out.store.delete(out.key(name))
 
 
-def run_datagen(cfg: LifecycleConfig, store: ObjectStore, prepare_fingerprint: str, server_urls: list[str],
-                progress: Progress | None = None, split: str = "train") -> DatagenResult:
-    """Regenerate the answers of the prepared `split` through `server_urls` (OpenAI-compatible).
-    Skips (contacting no server) when the output is complete; resumes at the missing shards.
-    Raises DatagenServerDown, after saving every finished shard, when a server stops answering."""
-    out = datagen_output(cfg, store, prepare_fingerprint, split)
+def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str],
+        progress: Progress | None = None, on_line=None) -> StageResult:
+    """Regenerate the answers of the prepared `datagen.split` through `datagen.server_urls`
+    (OpenAI-compatible), or, with none given, through `serve.engine` serving the target alone,
+    started here through the server session and always torn down. Skips (starting and contacting
+    no server) when the output is complete; resumes at the missing shards. Raises
+    DatagenServerDown, after saving every finished shard, when a server stops answering.
+    `on_line` receives the start-up log lines of a server the stage starts itself."""
+    out = output(cfg, store, upstream)
     if out.is_complete():
-        return DatagenResult(manifest=out.manifest, skipped=True, uri=out.uri)
+        return _result(out, skipped=True)
+    split, prepare_fingerprint = cfg.datagen.split, upstream[PREPARE]
     conversations = load_prepared(store, prepare_fingerprint, split)
     size = cfg.datagen.shard_size
     n_shards = math.ceil(len(conversations) / size)
@@ -338,60 +327,50 @@ def run_datagen(cfg: LifecycleConfig, store: ObjectStore, prepare_fingerprint: s
     resumed = n_shards - len(todo)
     this_run: dict[str, Any] = {}
     if todo:
-        if not server_urls:
-            raise ConfigError([("datagen.server_urls", "no server to generate with (give URLs or let the "
-                                                       "datagen task start one)")])
         if resumed:
             log.info("datagen: resuming %s, %d of %d shards already done", out.uri, resumed, n_shards)
         _drop_stale_errors(out, done, todo)
         done_before = len(conversations) - sum(len(s.conversations) for s in todo)
-        this_run = _run_sync(_generate(out, cfg, todo, server_urls, progress, done_before, len(conversations)))
-    manifest = out.commit(
-        lambda shards: _manifest_meta(cfg, shards, split, prepare_fingerprint, resumed, n_shards, this_run),
-        expect=[gen_shard_name(i) for i in range(n_shards)])
-    return DatagenResult(manifest=manifest, skipped=False, uri=out.uri)
+        generate = lambda urls: _run_sync(_generate(out, cfg, todo, urls, progress, done_before,
+                                                    len(conversations)))
+        this_run = _with_servers(cfg, generate, on_line)
+    out.commit(lambda shards: _manifest_meta(cfg, shards, split, prepare_fingerprint, resumed, n_shards, this_run),
+               expect=[gen_shard_name(i) for i in range(n_shards)])
+    return _result(out, skipped=False)
 
 
-def iter_generations(store: ObjectStore, manifest_or_fingerprint: Manifest | str,
-                     errors: bool = False) -> Iterator[dict]:
-    """The committed records (or, with `errors`, the error records) in shard order, verified."""
-    out = StageOutput.committed(store, STAGE, manifest_or_fingerprint)  # raises if not committed
-    prefix = "errors-" if errors else "gen-"
-    for info in out.manifest.shards:
-        if info.name.startswith(prefix):
-            yield from out.read_jsonl(info.name)
+def _with_servers(cfg: LifecycleConfig, generate, on_line) -> dict[str, Any]:
+    """`generate(urls)` through the configured servers, or through a target server started here."""
+    if cfg.datagen.server_urls:
+        return generate(list(cfg.datagen.server_urls))
+    started = False
+
+    def startup_lines(line: str) -> None:
+        # Start-up lines reach the caller (a hang must be visible); once serving, per-request
+        # lines would flood it: they stay in the server's own log file.
+        if on_line is not None and not started:
+            on_line(line)
+
+    with ServerSession(cfg, target_only=True, on_line=startup_lines) as served:
+        started = True
+        log.info("datagen: %s ready in %.1fs (log %s)", served.base_url, served.seconds_to_ready, served.log_path)
+        try:
+            return generate([served.base_url])
+        except DatagenServerDown as err:
+            err.add_note(f"server log: {served.log_path}")
+            raise
 
 
-# ---------------------------------------------------------------- a server for the stage itself
-
-
-@dataclass(frozen=True)
-class ServedTarget:
-    base_url: str
-    log_path: str
-    seconds_to_ready: float
-
-
-@contextmanager
-def target_server(cfg: LifecycleConfig, on_line: Callable[[str], None] | None = None, *,
-                  log_dir: str | os.PathLike | None = None) -> Iterator[ServedTarget]:
-    """Start the configured engine serving the TARGET ALONE (no drafter: speculation cannot
-    change greedy answers and only adds start-up risk), wait until a real generation succeeds,
-    yield where it serves, and always tear it down, also when the run is cancelled by SIGTERM
-    (in the main thread). A failed start raises its typed ServerStartError
-    (drafter.serving.errors.is_retryable tells whether to try again)."""
-    from drafter.serving.check import _sigterm_as_interrupt, new_log_path
-    from drafter.serving.engines import make_engine
-    from drafter.serving.gate import wait_until_ready
-    from drafter.serving.launcher import ServerProcess, preflight
-
-    serve = cfg.serve.model_copy(update={"speculative": None, "draft_path": None})
-    plain = cfg.model_copy(update={"serve": serve})
-    engine = make_engine(serve.engine)
-    log_path = new_log_path(log_dir or serve.log_dir, engine.name)
-    spec = engine.build_launch(plain, None, log_path.parent)
-    for note in preflight(spec, plain):
-        log.info("datagen server preflight: %s", note)
-    with _sigterm_as_interrupt(), ServerProcess(spec, engine, log_path, on_line) as server:
-        report = wait_until_ready(server, engine, spec, serve.startup_timeout_s, serve.stall_timeout_s)
-        yield ServedTarget(spec.base_url, str(log_path), report.seconds_to_ready)
+def _result(out: StageOutput, skipped: bool) -> StageResult:
+    meta = out.manifest.meta
+    t = meta.get("throughput") or {}
+    summary = [f"{meta['generated']} of {meta['conversations']} conversations generated, {meta['errors']} "
+               f"errors {meta['errors_by_reason']}"]
+    if t.get("requests"):
+        summary.append(f"{t['requests_per_s']:.2f} req/s, {t['tokens_per_s']:.1f} tok/s this run "
+                       f"({', '.join(s['url'] for s in t.get('servers') or [])})")
+    rows = [{"metric": k, "value": str(meta[k])} for k in (
+        "conversations", "generated", "errors", "errors_by_reason", "turns", "completion_tokens",
+        "finish_reasons", "shards", "resumed_shards")]
+    rows += [{"metric": f"throughput.{k}", "value": str(v)} for k, v in t.items() if k != "servers"]
+    return StageResult.committed(out.manifest, out.uri, skipped, summary, rows)

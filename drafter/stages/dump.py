@@ -17,7 +17,11 @@ ids + convention, resolved dtype, max_length, samples_per_shard, format version)
 purpose: devices, tokens_per_batch, spool_dir, upload_queue, upload_threads. tokens_per_batch and
 the GPU model can change the last bits of the floats (batch shapes pick kernels), never what they
 mean, and re-dumping terabytes because a resume runs on other GPUs would be the wrong trade. Each
-shard's marker records the device and tokens_per_batch that computed it.
+shard's marker records the device and tokens_per_batch that computed it. (The fields declare this
+themselves: OperationalField in drafter.config.)
+
+The reader of this output (drafter.formats.iter_dump_samples) refuses a dump whose layer ids or
+convention differ from what it expects.
 
 Workers: one thread per device, each owning every n-th pending shard with its own model copy, and
 upload threads behind a bounded queue, so the device computes shard i+1 while shard i uploads.
@@ -34,38 +38,31 @@ import sys
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from drafter import capture
-from drafter.config import LAYER_ID_CONVENTION, ConfigError, LifecycleConfig
-from drafter.datagen import iter_generations
-from drafter.prepare import load_prepared
-from drafter.shards import (FINAL_HIDDEN, FORMAT, FORMAT_VERSION, NUM_AUX, HiddenStateShard, ShardWriter,
-                            bytes_per_token, storage_projection)
-from drafter.stage_output import (Manifest, Progress, ShardInfo, StageOutput, StageResult, fingerprint,
-                                  guarded_progress)
+from drafter.config import LAYER_ID_CONVENTION, ConfigError, LifecycleConfig, fingerprint_fields
+from drafter.dtypes import dtype_name
+from drafter.errors import DrafterError
+from drafter.formats import DATAGEN, PREPARE, read_conversations
+from drafter.formats import DUMP as STAGE
+from drafter.formats import hidden_state_shard_name as shard_name
+from drafter.layers import check_aux_layer_ids
+from drafter.shards import (FINAL_HIDDEN, FORMAT, FORMAT_VERSION, NUM_AUX, ShardWriter, bytes_per_token,
+                            storage_projection)
+from drafter.stage_output import Progress, ShardInfo, StageOutput, StageResult, guarded_progress
+from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore
 from drafter.target_identity import target_fingerprint
 from drafter.tokenize import end_of_turn_ids, template_hash, tokenize_conversation, tokenizer_hash
 
 log = logging.getLogger(__name__)
 
-STAGE = "dump"
-UPSTREAM_STAGES = ("prepare", "datagen")
-# Operational settings: how fast or where, never what the shards mean (see the module docstring).
-OPERATIONAL_FIELDS = frozenset({"devices", "tokens_per_batch", "spool_dir", "upload_queue", "upload_threads"})
-
-
-def shard_name(index: int) -> str:
-    return f"hs-{index:05d}.safetensors"
-
-
-DumpResult = StageResult  # the name callers and tests use
+UPSTREAM_STAGES = (PREPARE, DATAGEN)
 
 
 @dataclass
@@ -87,22 +84,26 @@ class DumpPlan:
 
     @property
     def fingerprint(self) -> str:
-        dump = self.cfg.dump.model_dump(mode="json", exclude=OPERATIONAL_FIELDS | {"aux_layer_ids", "dtype"})
-        config = {"dump": dump, "dtype": capture.dtype_name(self.dtype), "target": self.target_fingerprint,
+        dump = fingerprint_fields(self.cfg.dump)
+        del dump["aux_layer_ids"], dump["dtype"]  # in their resolved form below
+        config = {"dump": dump, "dtype": dtype_name(self.dtype), "target": self.target_fingerprint,
                   "tokenizer": self.tokenizer_hash, "chat_template": self.template_hash,
                   "aux_layer_ids": self.aux_layer_ids, "layer_id_convention": LAYER_ID_CONVENTION,
                   "shard_format": [FORMAT, FORMAT_VERSION], "upstream_stage": self.upstream_stage}
-        return fingerprint(STAGE, config, [self.upstream_fingerprint])
+        return stage_fingerprint(STAGE, config, [self.upstream_fingerprint])
 
 
-def plan_dump(cfg: LifecycleConfig, upstream_stage: str, upstream_fingerprint: str,
-              devices: list[str] | None = None) -> DumpPlan:
+def plan_dump(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> DumpPlan:
+    """Everything the fingerprint needs (tokenizer, target identity, resolved dtype and ids)
+    without loading the model. The upstream is `dump.upstream`'s output."""
     from transformers import AutoTokenizer
 
+    upstream_stage = cfg.dump.upstream
     if upstream_stage not in UPSTREAM_STAGES:
         raise ValueError(f"dump reads the output of {UPSTREAM_STAGES}, not {upstream_stage!r}")
+    upstream_fingerprint = upstream[upstream_stage]
     try:
-        devs = capture.resolve_devices(devices or cfg.dump.devices)
+        devs = capture.resolve_devices(cfg.dump.devices)
     except ValueError as e:
         raise ConfigError([("dump.devices", str(e))]) from None
     shape = cfg.target.resolved_shape()
@@ -111,7 +112,7 @@ def plan_dump(cfg: LifecycleConfig, upstream_stage: str, upstream_fingerprint: s
         raise ConfigError([("target.path", f"{cfg.target.path}: no config.json with num_hidden_layers "
                                            f"and hidden_size")])
     try:
-        ids = capture.check_aux_layer_ids(cfg.aux_layer_ids(), num_layers)
+        ids = check_aux_layer_ids(cfg.aux_layer_ids(), num_layers)
     except ValueError as e:
         raise ConfigError([("dump.aux_layer_ids", str(e))]) from None
     tok = AutoTokenizer.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
@@ -122,19 +123,11 @@ def plan_dump(cfg: LifecycleConfig, upstream_stage: str, upstream_fingerprint: s
                     tokenizer_hash=tokenizer_hash(tok), template_hash=template_hash(tok))
 
 
-def dump_output(store: ObjectStore, plan: DumpPlan) -> StageOutput:
-    return StageOutput(store, STAGE, plan.fingerprint)
+def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
+    return plan_dump(cfg, upstream).fingerprint
 
 
 # ---- upstream
-
-
-def read_conversations(store: ObjectStore, stage: str, fp: str) -> list[dict]:
-    """Upstream records in order: prepare's `train` split, or datagen's generations (shard order);
-    both refuse an uncommitted upstream."""
-    if stage == "prepare":
-        return load_prepared(store, fp, "train")
-    return list(iter_generations(store, fp))
 
 
 def _check_record(rec) -> str | None:
@@ -351,15 +344,18 @@ def _run_workers(plan: DumpPlan, out: StageOutput, pending: list[int], records: 
 # ---- the stage
 
 
-def run_dump(cfg: LifecycleConfig, store: ObjectStore, upstream_stage: str, upstream_fingerprint: str,
-             progress: Progress | None = None, devices: list[str] | None = None) -> DumpResult:
-    plan = plan_dump(cfg, upstream_stage, upstream_fingerprint, devices)
-    out = dump_output(store, plan)
+def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str],
+        progress: Progress | None = None, on_line=None) -> StageResult:
+    """Capture the hidden states of `dump.upstream`'s conversations on `dump.devices`; skip when
+    the output is complete; resume at the first unverified shard."""
+    plan = plan_dump(cfg, upstream)
+    out = StageOutput(store, STAGE, plan.fingerprint)
     if out.is_complete():
-        return DumpResult(manifest=out.manifest, skipped=True, uri=out.uri)
+        return _result(out, skipped=True)
+    upstream_stage, upstream_fingerprint = plan.upstream_stage, plan.upstream_fingerprint
     conversations = read_conversations(store, upstream_stage, upstream_fingerprint)
     if not conversations:
-        raise ValueError(f"{upstream_stage}/{upstream_fingerprint} holds no conversations")
+        raise EmptyUpstream(f"{upstream_stage}/{upstream_fingerprint} holds no conversations")
     size = cfg.dump.samples_per_shard
     names = [shard_name(i) for i in range(math.ceil(len(conversations) / size))]
     done = out.completed_shards()
@@ -370,8 +366,34 @@ def run_dump(cfg: LifecycleConfig, store: ObjectStore, upstream_stage: str, upst
         log.info("dump %s: %d of %d shards to compute on %s", out.uri, len(pending), len(names),
                  ", ".join(map(str, plan.devices[:len(pending)])))
         _run_workers(plan, out, pending, records, progress, len(names) - len(pending), len(names))
-    manifest = out.commit(lambda shards: summarize(plan, [shards[n] for n in names]), expect=names)
-    return DumpResult(manifest=manifest, skipped=False, uri=out.uri)
+    out.commit(lambda shards: summarize(plan, [shards[n] for n in names]), expect=names)
+    return _result(out, skipped=False)
+
+
+class EmptyUpstream(DrafterError, ValueError):
+    """The upstream output is committed but holds nothing to dump: re-running will not help."""
+
+
+def _result(out: StageOutput, skipped: bool) -> StageResult:
+    meta = out.manifest.meta
+    q = meta["quarantined"]
+    summary = [f"{meta['num_samples']} samples, {meta['num_tokens']} tokens ({meta['num_loss_tokens']} with loss), "
+               f"{q['total']} quarantined {q['by_reason'] or ''}; {meta['bytes_per_token']:.0f} bytes/token; "
+               f"storage: {meta['storage_projection']}"]
+    table = [
+        {"metric": "target", "value": f"{meta['target_fingerprint']} ({meta['dtype']}, hidden {meta['hidden_size']})"},
+        {"metric": "aux layers", "value": f"{meta['aux_layer_ids']} ({meta['layer_id_convention']}) + final"},
+        {"metric": "samples", "value": f"{meta['num_samples']} in {meta['num_shards']} shards"},
+        {"metric": "tokens", "value": f"{meta['num_tokens']} ({meta['num_loss_tokens']} with loss), "
+                                      f"{meta['truncated']} truncated"},
+        {"metric": "quarantined", "value": f"{q['total']} {q['by_reason'] or ''}"},
+        {"metric": "bytes", "value": f"{meta['bytes']} ({meta['bytes_per_token']:.0f} bytes/token)"},
+        {"metric": "storage projection", "value": str(meta["storage_projection"])}]
+    # The per-sample quarantine list stays in the manifest: a task result must stay small.
+    meta = {**meta, "quarantined": {k: v for k, v in q.items() if k != "samples"}}
+    return StageResult(stage=STAGE, status="skipped" if skipped else "done", uri=out.uri,
+                       fingerprint=out.fingerprint, meta=meta, manifest=out.manifest, summary=tuple(summary),
+                       table=tuple(table))
 
 
 def summarize(plan: DumpPlan, shards: list[ShardInfo]) -> dict:
@@ -379,7 +401,7 @@ def summarize(plan: DumpPlan, shards: list[ShardInfo]) -> dict:
     tokens = sum(s.meta["tokens"] for s in shards)
     total_bytes = sum(s.size for s in shards)
     quarantined = [q for s in shards for q in s.meta["quarantined"]]
-    dtype = capture.dtype_name(plan.dtype)
+    dtype = dtype_name(plan.dtype)
     bpt = total_bytes / tokens if tokens else 0.0
     return {
         "upstream": {"stage": plan.upstream_stage, "fingerprint": plan.upstream_fingerprint},
@@ -409,54 +431,3 @@ def summarize(plan: DumpPlan, shards: list[ShardInfo]) -> dict:
                         "by_reason": dict(sorted(Counter(q["reason"] for q in quarantined).items())),
                         "samples": quarantined},
     }
-
-
-# ---- the reader (training side)
-
-
-class DumpMismatch(ValueError):
-    """The dump was made with other layer ids or another convention than the reader expects."""
-
-
-def check_dump_manifest(manifest: Manifest, expect_aux_layer_ids: list[int],
-                        expect_layer_id_convention: str = LAYER_ID_CONVENTION) -> None:
-    """Refuse hidden states captured at other layers than the caller will train / serve with
-    (field note 4: trained on [2, 30, 58], served expecting [-1, 2, 30])."""
-    if manifest.stage != STAGE:
-        raise DumpMismatch(f"expected a {STAGE!r} manifest, got stage {manifest.stage!r}")
-    meta = manifest.meta
-    got_conv, got_ids = meta.get("layer_id_convention"), meta.get("aux_layer_ids")
-    problems = []
-    if got_conv != expect_layer_id_convention:
-        problems.append(f"layer_id_convention: dump has {got_conv!r}, expected {expect_layer_id_convention!r}")
-    if got_ids is None or [int(i) for i in got_ids] != [int(i) for i in expect_aux_layer_ids]:
-        problems.append(f"aux_layer_ids: dump has {got_ids}, expected {list(expect_aux_layer_ids)}")
-    if problems:
-        raise DumpMismatch(f"hidden states {STAGE}/{manifest.fingerprint} do not match: " + "; ".join(problems))
-
-
-def iter_dump_samples(store: ObjectStore, manifest: Manifest | str, *, expect_aux_layer_ids: list[int],
-                      expect_layer_id_convention: str = LAYER_ID_CONVENTION,
-                      workdir: str | Path | None = None) -> Iterator[dict]:
-    """Samples of a committed dump, shard by shard in manifest order: dicts with `id`, `input_ids`,
-    `loss_mask`, `aux_hidden_states` [T, 3, H], `hidden_states` [T, H] (memory-mapped views).
-    Each shard is downloaded and checked against its sha256 (the next one downloads while the
-    current one is read); the manifest is checked against the expected layer ids first."""
-    out = StageOutput.committed(store, STAGE, manifest)
-    manifest = out.manifest
-    check_dump_manifest(manifest, expect_aux_layer_ids, expect_layer_id_convention)
-    with tempfile.TemporaryDirectory(prefix="dump-read-", dir=workdir) as tmp, \
-            ThreadPoolExecutor(max_workers=1) as pool:
-        fetch = lambda name: out.download_shard(name, Path(tmp) / name)
-        names = [s.name for s in manifest.shards]
-        future = pool.submit(fetch, names[0]) if names else None
-        for k, name in enumerate(names):
-            path = future.result()
-            future = pool.submit(fetch, names[k + 1]) if k + 1 < len(names) else None
-            shard = HiddenStateShard(path)
-            if shard.aux_layer_ids != manifest.meta["aux_layer_ids"]:
-                raise DumpMismatch(f"{name}: shard aux_layer_ids {shard.aux_layer_ids} differ from the "
-                                   f"manifest's {manifest.meta['aux_layer_ids']}")
-            yield from shard
-            del shard
-            path.unlink()  # views already handed out stay valid: the mapping outlives the name

@@ -1,0 +1,126 @@
+"""How each stage's committed output is named and read: the prepared corpus, the generations and
+the hidden states. Stages depend on these formats (and the core), never on each other, so adding
+a stage never stacks one stage module on another.
+
+Every reader opens a COMMITTED output (`StageOutput.committed`: ObjectNotFound if the upstream was
+never committed, ManifestError if its manifest is unusable) and verifies each shard's sha256.
+"""
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Literal
+
+from drafter.errors import DrafterError
+from drafter.layers import LAYER_ID_CONVENTION
+from drafter.stage_output import Manifest, StageOutput
+from drafter.store import ObjectStore
+
+PREPARE, DATAGEN, DUMP = "prepare", "datagen", "dump"
+
+# ---- prepare: `train.jsonl`, `eval.jsonl`, `quarantine.jsonl` of {"id", "messages"} rows
+
+SPLITS = ("train", "eval")
+
+
+def split_file(split: str) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return f"{split}.jsonl"
+
+
+def load_prepared(store: ObjectStore, manifest_or_fingerprint: Manifest | str,
+                  split: Literal["train", "eval"]) -> list[dict]:
+    """The prepared conversations of one split, read with size + sha256 verification."""
+    name = split_file(split)
+    return StageOutput.committed(store, PREPARE, manifest_or_fingerprint).read_jsonl(name)
+
+
+# ---- datagen: `gen-NNNNN.jsonl` (records) and `errors-NNNNN.jsonl` (failed conversations)
+
+
+def gen_shard_name(index: int) -> str:
+    return f"gen-{index:05d}.jsonl"
+
+
+def error_shard_name(index: int) -> str:
+    return f"errors-{index:05d}.jsonl"
+
+
+def iter_generations(store: ObjectStore, manifest_or_fingerprint: Manifest | str,
+                     errors: bool = False) -> Iterator[dict]:
+    """The committed records (or, with `errors`, the error records) in shard order, verified."""
+    out = StageOutput.committed(store, DATAGEN, manifest_or_fingerprint)
+    prefix = "errors-" if errors else "gen-"
+    for info in out.manifest.shards:
+        if info.name.startswith(prefix):
+            yield from out.read_jsonl(info.name)
+
+
+def read_conversations(store: ObjectStore, stage: str, fp: str) -> list[dict]:
+    """Conversations in order from an upstream output: prepare's `train` split, or datagen's
+    generations (shard order); both refuse an uncommitted upstream."""
+    if stage == PREPARE:
+        return load_prepared(store, fp, "train")
+    if stage == DATAGEN:
+        return list(iter_generations(store, fp))
+    raise ValueError(f"no conversations in a {stage!r} output (expected {PREPARE} or {DATAGEN})")
+
+
+# ---- dump: `hs-NNNNN.safetensors` (format: drafter.shards)
+
+
+def hidden_state_shard_name(index: int) -> str:
+    return f"hs-{index:05d}.safetensors"
+
+
+class DumpMismatch(DrafterError, ValueError):
+    """The dump was made with other layer ids or another convention than the reader expects."""
+
+
+def check_dump_manifest(manifest: Manifest, expect_aux_layer_ids: list[int],
+                        expect_layer_id_convention: str = LAYER_ID_CONVENTION) -> None:
+    """Refuse hidden states captured at other layers than the caller will train / serve with
+    (field note 4: trained on [2, 30, 58], served expecting [-1, 2, 30])."""
+    if manifest.stage != DUMP:
+        raise DumpMismatch(f"expected a {DUMP!r} manifest, got stage {manifest.stage!r}")
+    meta = manifest.meta
+    got_conv, got_ids = meta.get("layer_id_convention"), meta.get("aux_layer_ids")
+    problems = []
+    if got_conv != expect_layer_id_convention:
+        problems.append(f"layer_id_convention: dump has {got_conv!r}, expected {expect_layer_id_convention!r}")
+    if got_ids is None or [int(i) for i in got_ids] != [int(i) for i in expect_aux_layer_ids]:
+        problems.append(f"aux_layer_ids: dump has {got_ids}, expected {list(expect_aux_layer_ids)}")
+    if problems:
+        raise DumpMismatch(f"hidden states {DUMP}/{manifest.fingerprint} do not match: " + "; ".join(problems))
+
+
+def iter_dump_samples(store: ObjectStore, manifest: Manifest | str, *, expect_aux_layer_ids: list[int],
+                      expect_layer_id_convention: str = LAYER_ID_CONVENTION,
+                      workdir: str | Path | None = None) -> Iterator[dict]:
+    """Samples of a committed dump, shard by shard in manifest order: dicts with `id`, `input_ids`,
+    `loss_mask`, `aux_hidden_states` [T, 3, H], `hidden_states` [T, H] (memory-mapped views).
+    Each shard is downloaded and checked against its sha256 (the next one downloads while the
+    current one is read); the manifest is checked against the expected layer ids first."""
+    from drafter.shards import HiddenStateShard  # torch: only for readers of hidden states
+
+    out = StageOutput.committed(store, DUMP, manifest)
+    manifest = out.manifest
+    check_dump_manifest(manifest, expect_aux_layer_ids, expect_layer_id_convention)
+    with tempfile.TemporaryDirectory(prefix="dump-read-", dir=workdir) as tmp, \
+            ThreadPoolExecutor(max_workers=1) as pool:
+        fetch = lambda name: out.download_shard(name, Path(tmp) / name)
+        names = [s.name for s in manifest.shards]
+        future = pool.submit(fetch, names[0]) if names else None
+        for k, name in enumerate(names):
+            path = future.result()
+            future = pool.submit(fetch, names[k + 1]) if k + 1 < len(names) else None
+            shard = HiddenStateShard(path)
+            if shard.aux_layer_ids != manifest.meta["aux_layer_ids"]:
+                raise DumpMismatch(f"{name}: shard aux_layer_ids {shard.aux_layer_ids} differ from the "
+                                   f"manifest's {manifest.meta['aux_layer_ids']}")
+            yield from shard
+            del shard
+            path.unlink()  # views already handed out stay valid: the mapping outlives the name

@@ -1,0 +1,176 @@
+"""One server session: preflight -> launch in its own process group -> readiness gate -> settings
+read back -> teardown, on every exit path (errors, Ctrl-C, Prefect's SIGTERM).
+
+Every user of a running server goes through `ServerSession`: `drafter serve` (foreground and
+`--check`), datagen's own target server, and the stages to come (the offline judge, the bench
+sweep). The sequence exists once, so a fix to it (a new preflight check, a teardown detail) reaches
+every caller.
+
+    with ServerSession(cfg, on_line=print) as served:
+        requests.post(served.base_url + "/generate", ...)
+    session.teardown   # what teardown found (processes left, port held, GPU memory kept)
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import signal
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from drafter.config import LifecycleConfig
+from drafter.serving.engines import check_speculative_settings, make_engine
+from drafter.serving.errors import ServerConfigError, TeardownError
+from drafter.serving.gate import wait_until_ready
+from drafter.serving.launcher import OnLine, ServerProcess, TeardownReport, launch_file, preflight
+
+log = logging.getLogger("drafter.serving")
+
+
+def new_log_path(log_dir: str | os.PathLike, engine: str) -> Path:
+    """runs/logs/<engine>-<UTC time>.log, never reusing an existing name."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = Path(log_dir) / f"{engine}-{stamp}"
+    path, n = base.with_suffix(".log"), 1
+    while path.exists():
+        n += 1
+        path = Path(f"{base}-{n}.log")
+    return path
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Prefect cancels by SIGTERM, whose default action skips `finally`: turn it into a
+    KeyboardInterrupt so the server is torn down. Only possible in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass
+class ServedServer:
+    """A server that passed the gate: where it serves and what it says it runs."""
+
+    engine: str
+    base_url: str
+    log_path: Path
+    seconds_to_ready: float
+    settings: dict[str, Any]
+    settings_mismatch: list[str]
+    sample: str | None
+    notes: list[str] = field(default_factory=list)
+    process: ServerProcess | None = None
+
+    @property
+    def launch_path(self) -> Path:
+        return launch_file(self.log_path)
+
+
+class ServerSession:
+    """Context manager around one server launch; see the module docstring.
+
+    `target_only`: serve the target alone (no drafter, no speculative flags), as datagen does:
+    speculation cannot change greedy answers and only adds start-up risk. `strict_settings`: a
+    server that does not use the requested speculative settings fails the session with
+    ServerConfigError (field note 3) instead of being handed out. `check_teardown`: an incomplete
+    teardown raises TeardownError (when nothing else failed); without it the caller reads
+    `session.teardown`. A failed start raises its typed ServerStartError after the teardown."""
+
+    def __init__(self, cfg: LifecycleConfig, *, draft_path: str | None = None, target_only: bool = False,
+                 faults: Sequence[str] = (), on_line: OnLine | None = None,
+                 log_dir: str | os.PathLike | None = None, phase_budgets: Mapping[str, float] | None = None,
+                 poll_s: float = 0.5, grace_s: float = 10.0, gpu_timeout_s: float = 60.0,
+                 strict_settings: bool = False, check_teardown: bool = True):
+        if target_only:
+            serve = cfg.serve.model_copy(update={"speculative": None, "draft_path": None})
+            cfg, draft_path = cfg.model_copy(update={"serve": serve}), None
+        elif draft_path is None:
+            draft_path = cfg.serve.draft_path
+        self.cfg, self.draft_path, self.faults, self.on_line = cfg, draft_path, tuple(faults), on_line
+        self.engine = make_engine(cfg.serve.engine)
+        self.log_path = new_log_path(log_dir or cfg.serve.log_dir, self.engine.name)
+        self.phase_budgets, self.poll_s = phase_budgets, poll_s
+        self.grace_s, self.gpu_timeout_s = grace_s, gpu_timeout_s
+        self.strict_settings, self.check_teardown = strict_settings, check_teardown
+        self.base_url: str | None = None
+        self.notes: list[str] = []
+        self.process: ServerProcess | None = None
+        self.teardown: TeardownReport | None = None
+        self._stack: ExitStack | None = None
+
+    @property
+    def phases(self) -> list[dict[str, Any]]:
+        return list(self.process.phases_seen) if self.process is not None else []
+
+    def __enter__(self) -> ServedServer:
+        cfg, engine = self.cfg, self.engine
+        self._stack = stack = ExitStack()
+        try:
+            stack.enter_context(sigterm_as_interrupt())  # a cancelled run (SIGTERM) still tears down
+            spec = engine.build_launch(cfg, self.draft_path, self.log_path.parent, faults=self.faults)
+            self.base_url = spec.base_url
+            self.notes = preflight(spec, cfg)
+            for note in self.notes:
+                log.info("%s preflight: %s", engine.name, note)
+            self.process = ServerProcess(spec, engine, self.log_path, self.on_line).start()
+            stack.callback(self._stop)
+            report = wait_until_ready(self.process, engine, spec, cfg.serve.startup_timeout_s,
+                                      cfg.serve.stall_timeout_s, self.phase_budgets, self.poll_s)
+            mismatch = check_speculative_settings(cfg.serve.speculative, report.settings, self.draft_path)
+            if mismatch and self.strict_settings:
+                raise ServerConfigError("the server does not use the requested speculative settings: "
+                                        + "; ".join(mismatch), engine=engine.name)
+            for problem in mismatch:
+                log.warning("speculative settings differ from the request: %s", problem)
+            self.notes += report.notes
+            return ServedServer(engine=engine.name, base_url=spec.base_url, log_path=self.log_path,
+                                seconds_to_ready=report.seconds_to_ready, settings=report.settings,
+                                settings_mismatch=mismatch, sample=report.sample, notes=list(self.notes),
+                                process=self.process)
+        except BaseException as err:
+            self._close(err)
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._close(exc)
+
+    def _stop(self) -> None:
+        self.teardown = self.process.stop(grace_s=self.grace_s, gpu_timeout_s=self.gpu_timeout_s)
+
+    def _close(self, exc: BaseException | None) -> None:
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        stack.close()
+        if self.teardown is None or self.teardown.ok or not self.check_teardown:
+            return
+        if exc is None:
+            raise TeardownError(self.teardown.problems)
+        exc.add_note("teardown incomplete: " + "; ".join(self.teardown.problems))
+
+
+def serve_until_interrupted(served: ServedServer, poll_s: float = 1.0) -> None:
+    """Block while the server runs; raise ServerCrashed when it exits or logs a fatal line
+    (a scheduler can die while the HTTP parent lives on). Ctrl-C / SIGTERM interrupt it."""
+    from drafter.serving.errors import ServerCrashed
+
+    server = served.process
+    while (code := server.poll()) is None and server.fatal_line is None:
+        time.sleep(poll_s)
+    what = f"exited with code {code}" if code is not None else f"logged {server.fatal_line.strip()!r}"
+    raise ServerCrashed(f"{served.engine} {what} while serving", engine=served.engine, phase="serving",
+                        exit_code=code, log_tail=server.log_tail(40))

@@ -1,0 +1,118 @@
+"""The stage table: the one place that says which stages exist, in which order, what each one
+reads, and where its code is. The CLI, the Prefect tasks and the flow all read it; none of them
+wires stages together on its own.
+
+Every stage is a module with the same two functions:
+
+    fingerprint(cfg, upstream) -> str | None      # where its output lives (None: no stored output)
+    run(cfg, store, *, upstream, progress=None, on_line=None) -> StageResult
+
+`upstream` maps each upstream stage's name to its fingerprint. Fingerprints are pure functions of
+the configuration, so a stage started alone finds the outputs its upstream stages committed (and
+fails naming them when they were never committed). Adding a stage = one module + one row here.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+
+from drafter.config import LifecycleConfig
+from drafter.stage_output import Progress, StageResult
+from drafter.store import ObjectStore
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    module: str                       # imported on first use: `drafter config validate` needs no torch
+    description: str
+    upstream: tuple[str, ...] | Callable[[LifecycleConfig], tuple[str, ...]] = ()
+    starts_servers: bool = False      # the flow reaps what a cancelled run of it left behind
+    retries: int = 3                  # attempts after the first, for errors that are `retryable`
+
+    def upstream_of(self, cfg: LifecycleConfig) -> tuple[str, ...]:
+        return self.upstream(cfg) if callable(self.upstream) else self.upstream
+
+    @property
+    def code(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("prepare", "drafter.stages.prepare", "normalise, dedupe, filter and split the prompt corpus"),
+    Stage("datagen", "drafter.stages.datagen", "regenerate the answers with the target", upstream=("prepare",),
+          starts_servers=True, retries=2),
+    Stage("dump", "drafter.stages.dump", "capture the target's aux + final hidden states",
+          upstream=lambda cfg: (cfg.dump.upstream,)),
+    Stage("serve", "drafter.stages.serve", "start the server, gate it on a real generation, read its "
+                                           "settings back, stop it", starts_servers=True, retries=2),
+)
+
+
+class StageTable:
+    """Stages in lifecycle order, and the fingerprint wiring between them."""
+
+    def __init__(self, stages: Iterable[Stage]):
+        self.stages = tuple(stages)
+        self.by_name = {s.name: s for s in self.stages}
+        for stage in self.stages:
+            unknown = [u for u in (stage.upstream if not callable(stage.upstream) else ()) if u not in self.by_name]
+            if unknown:
+                raise ValueError(f"stage {stage.name!r}: unknown upstream {unknown}")
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def __getitem__(self, name: str) -> Stage:
+        try:
+            return self.by_name[name]
+        except KeyError:
+            raise KeyError(f"no stage {name!r}; stages: {', '.join(self.names)}") from None
+
+    def in_order(self, names: Iterable[str]) -> list[Stage]:
+        wanted = set(names)
+        unknown = wanted - set(self.by_name)
+        if unknown:
+            raise KeyError(f"no stage {sorted(unknown)}; stages: {', '.join(self.names)}")
+        return [s for s in self.stages if s.name in wanted]
+
+    def fingerprints(self, cfg: LifecycleConfig, known: Mapping[str, str | None] | None = None) -> "Fingerprints":
+        return Fingerprints(self, cfg, known)
+
+    def run(self, name: str, cfg: LifecycleConfig, store: ObjectStore, *, fingerprints: "Fingerprints | None" = None,
+            progress: Progress | None = None, on_line: Callable[[str], None] | None = None) -> StageResult:
+        """Run one stage with its upstream fingerprints resolved from the table."""
+        fps = fingerprints or self.fingerprints(cfg)
+        result = self[name].code.run(cfg, store, upstream=fps.upstream(name), progress=progress, on_line=on_line)
+        fps.record(result)
+        return result
+
+
+class Fingerprints:
+    """Each stage's fingerprint for one configuration, computed at most once; a stage that ran
+    records what it produced, so downstream stages read exactly that output."""
+
+    def __init__(self, table: StageTable, cfg: LifecycleConfig, known: Mapping[str, str | None] | None = None):
+        self.table, self.cfg = table, cfg
+        self._known: dict[str, str | None] = dict(known or {})
+
+    def __getitem__(self, name: str) -> str | None:
+        if name not in self._known:
+            self._known[name] = self.table[name].code.fingerprint(self.cfg, self.upstream(name))
+        return self._known[name]
+
+    def upstream(self, name: str) -> dict[str, str]:
+        return {u: self[u] for u in self.table[name].upstream_of(self.cfg)}
+
+    def record(self, result: StageResult | Mapping) -> None:
+        """What a stage run produced (a StageResult, or its to_dict() as a Prefect task returns it)."""
+        if isinstance(result, StageResult):
+            self._known[result.stage] = result.fingerprint
+        else:
+            self._known[result["stage"]] = result["fingerprint"]
+
+
+TABLE = StageTable(STAGES)
