@@ -18,9 +18,12 @@ app.add_typer(config_app, name="config")
 ConfigOpt = typer.Option(..., "--config", "-c", help="YAML profile, e.g. profiles/demo.yaml")
 
 
-def _load(path: Path) -> LifecycleConfig:
+def _load(path: Path, options: dict | None = None) -> LifecycleConfig:
+    """The profile, with the command-line options that were given (None = not given) applied on
+    top and validated with it; a bad profile or option is one clean message, exit code 2."""
+    overrides = {k: v for k, v in (options or {}).items() if v is not None}
     try:
-        return load_config(path)
+        return load_config(path, overrides)
     except ConfigError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None
@@ -95,7 +98,7 @@ def datagen(config: Path = ConfigOpt,
                                                       "default: datagen.server_urls, else start serve.engine"),
             split: Optional[str] = typer.Option(None, help="prepared split to regenerate (default: datagen.split)")) -> None:
     """Regenerate the assistant turns of the prepared prompts with the target."""
-    cfg = _override(_load(config), {"datagen.server_urls": list(server) or None, "datagen.split": split})
+    cfg = _load(config, {"datagen.server_urls": list(server) or None, "datagen.split": split})
     result = _run_stage("datagen", cfg, unit="conv", on_line=lambda line: typer.echo(line, err=True))
     typer.echo(json.dumps(result.meta, indent=2, default=str))
 
@@ -104,23 +107,7 @@ def datagen(config: Path = ConfigOpt,
 def dump(config: Path = ConfigOpt,
          device: list[str] = typer.Option([], help="device per worker (repeatable); default: dump.devices")) -> None:
     """Capture the target's aux + final hidden states as verified shards in the object store."""
-    _run_stage("dump", _override(_load(config), {"dump.devices": list(device) or None}), unit="shard")
-
-
-def _override(cfg: LifecycleConfig, values: dict) -> LifecycleConfig:
-    """`cfg` with the command-line options that were given (None = not given), validated again."""
-    from drafter.config import parse_config
-
-    data = cfg.model_dump(mode="json")
-    for dotted, value in values.items():
-        if value is not None:
-            section, field = dotted.split(".")
-            data[section][field] = value
-    try:
-        return parse_config(data)
-    except ConfigError as err:
-        typer.echo(str(err), err=True)
-        raise typer.Exit(2) from None
+    _run_stage("dump", _load(config, {"dump.devices": list(device) or None}), unit="shard")
 
 
 @app.command("storage-estimate")
@@ -143,7 +130,7 @@ def serve(config: Path = ConfigOpt,
     """Run an inference server with validated speculative settings behind the readiness gate."""
     from drafter.serving.check import check_server, serve_forever
 
-    cfg = _override(_load(config), {"serve.draft_path": draft})
+    cfg = _load(config, {"serve.draft_path": draft})
     on_line = None if quiet else (lambda line: typer.echo(line, err=True))
     draft_path = cfg.serve.draft_path
     if check:
