@@ -120,6 +120,43 @@ def run_ours(a) -> dict:
             "device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
 
+def profile(a) -> None:
+    """Two profiled steps: device time vs wall time, and the kernels that take it."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    model, head, embed = build(a, device, dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = MasterAdamW(params, lr=1e-4)
+    gen = torch.Generator().manual_seed(a.seed)
+
+    def step():
+        mb = batch(a, device, dtype, gen)
+        e_next = embed_next(mb, embed).to(device)
+        mb = to_device(mb, device)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        si = prepare(mb, None, head, a.ttt, device, dtype, e_next=e_next)
+        loss, _ = fast_ttt_loss(model, si, 0.8, float(si.T), attention=a.attention, compile=a.compile)
+        loss.backward()
+        clip_gradients(params, 0.5)
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for _ in range(3):
+        step()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        wall = step() + step()
+    ka = p.key_averages()
+    dev_total = sum(e.self_device_time_total for e in ka if e.device_type.name == "CUDA") / 1e3 / 2
+    print(ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+    n_kernels = sum(e.count for e in ka if e.device_type.name == "CUDA") / 2
+    print(json.dumps({"profile": True, "wall_ms_per_step": round(wall / 2 * 1e3, 1),
+                      "device_ms_per_step": round(dev_total, 1), "kernels_per_step": n_kernels}))
+
+
 def exactness(a) -> dict:
     """Fast path vs the dense reference on a small shape: fp32 (math attention) and bf16 (flash)."""
     out = {}
@@ -196,12 +233,15 @@ def main() -> None:
     p.add_argument("--attention", default="auto", help="auto (flash on CUDA) or math")
     p.add_argument("--exactness", action="store_true")
     p.add_argument("--all", action="store_true")
+    p.add_argument("--profile", action="store_true")
     p.add_argument("--anchor", default=None, help="path of specforge_train_step.py (run in its own process)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--job-timeout", type=int, default=240)
     a = p.parse_args()
     if a.all:
         run_all(a)
+    elif a.profile:
+        profile(a)
     elif a.exactness:
         print(json.dumps(exactness(a)))
     else:
