@@ -2,7 +2,8 @@
 
 A query at packed position t (document d) in TTT step k attends to the step-0 keys of d at
 positions <= t and to its own keys of steps 1..k (model.ttt_attention_mask, one row of it).
-Keys of step 0 exist for every position; the diagonal keys are passed aligned with the queries.
+Keys of step 0 exist for every position; the n = k diagonal keys come stacked [n, Q, Hkv, d],
+aligned with the queries.
 
 Two exact implementations of the same function:
 - `math`: plain autograd over a [heads, Q, T] score matrix (CPU, tests, any dtype);
@@ -12,6 +13,7 @@ Two exact implementations of the same function:
   are then exactly the full softmax's, so dq/dk0/dv0 of the step-0 columns come out right, and
   the diagonal columns' gradients are added by hand. Inactive positions enter the kernel as zero
   queries with zero output gradient, which contributes nothing to dk0/dv0.
+Heads are grouped as SGLang / the model do (head h reads kv head h // groups).
 """
 from __future__ import annotations
 
@@ -29,107 +31,102 @@ class DocLayout:
     max_len: int
 
 
-def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
-    # [N, kv_heads, d] -> [N, heads, d]; head h reads kv head h // groups (repeat_interleave).
-    return kv.repeat_interleave(heads // kv.shape[1], dim=1)
-
-
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """Accumulation precision: float32, or float64 when the inputs are (exactness tests)."""
     return x if x.dtype == torch.float64 else x.float()
 
 
+def _grouped(q: torch.Tensor, kvh: int) -> torch.Tensor:
+    return q.view(q.shape[0], kvh, q.shape[1] // kvh, q.shape[2])  # [Q, Hkv, groups, d]
+
+
 def math_attention(q, k0, v0, dk, dv, qidx, layout: DocLayout, scale: float) -> torch.Tensor:
-    """q [Q, H, d]; k0/v0 [T, Hkv, d]; dk/dv: lists of [Q, Hkv, d]. Returns [Q, H, d]."""
-    heads = q.shape[1]
-    kk, vv = _expand(k0, heads), _expand(v0, heads)
-    t = torch.arange(k0.shape[0], device=q.device)
+    """q [Q, H, d]; k0/v0 [T, Hkv, d]; dk/dv [n, Q, Hkv, d] or None. Returns [Q, H, d]."""
+    Q, H, d = q.shape
+    kvh, T = k0.shape[1], k0.shape[0]
+    qg = _acc(_grouped(q, kvh))
+    t = torch.arange(T, device=q.device)
     allowed = (layout.doc[qidx][:, None] == layout.doc[None, :]) & (t[None, :] <= qidx[:, None])
-    s0 = _acc(torch.einsum("qhd,thd->hqt", q, kk)) * scale
-    s0 = s0.masked_fill(~allowed[None], float("-inf"))
-    sd = [_acc((q * _expand(k, heads)).sum(-1)).T[..., None] * scale for k in dk]  # [H, Q, 1]
-    p = torch.softmax(torch.cat([s0, *sd], -1), -1)
-    out = _acc(torch.einsum("hqt,thd->qhd", p[..., :k0.shape[0]].to(vv.dtype), vv))
-    for j, v in enumerate(dv):
-        out = out + p[..., k0.shape[0] + j].T[..., None] * _acc(_expand(v, heads))
-    return out.to(q.dtype)
+    s0 = torch.einsum("qhgd,thd->qhgt", qg, _acc(k0)) * scale
+    s0 = s0.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    if dk is not None:
+        sd = torch.einsum("qhgd,nqhd->qhgn", qg, _acc(dk)) * scale
+        s0 = torch.cat([s0, sd], -1)
+    p = torch.softmax(s0, -1)
+    out = torch.einsum("qhgt,thd->qhgd", p[..., :T], _acc(v0))
+    if dv is not None:
+        out = out + torch.einsum("qhgn,nqhd->qhgd", p[..., T:], _acc(dv))
+    return out.reshape(Q, H, d).to(q.dtype)
+
+
+def _aten_flash_fwd(q, k, v, cu, max_len, scale):
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
+    return out, lse, (rng, unused)
+
+
+def _aten_flash_bwd(g, q, k, v, out, lse, cu, max_len, scale, extra):
+    rng, unused = extra
+    return torch.ops.aten._flash_attention_backward(
+        g, q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, rng, unused, scale=scale)
+
+
+# (forward, backward) of a varlen causal flash kernel: lse is [H, T]. Tests put a plain torch
+# implementation here to check the merge algebra on the CPU.
+FLASH_KERNELS = [_aten_flash_fwd, _aten_flash_bwd]
 
 
 class _FlashTTT(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k0, v0, qidx, layout, scale, *diag):
-        n = len(diag) // 2
-        dk, dv = diag[:n], diag[n:]
-        T, heads, d = k0.shape[0], q.shape[1], q.shape[2]
-        qf = q.new_zeros(T, heads, d)
-        qf[qidx] = q
-        cu = layout.cu_seqlens
-        out0, lse0, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            qf, k0, v0, cu, cu, layout.max_len, layout.max_len, 0.0, True, False, scale=scale)
-        lse0 = _lse_rows(lse0, T)                                   # [T, H] float32
-        lq = lse0[qidx]
-        sd = [(q.float() * _expand(k, heads).float()).sum(-1) * scale for k in dk]  # [Q, H]
-        m = torch.logsumexp(torch.stack([lq, *sd], -1), -1)
-        out = out0[qidx].float() * torch.exp(lq - m)[..., None]
-        for s, v in zip(sd, dv):
-            out = out + torch.exp(s - m)[..., None] * _expand(v, heads).float()
-        out = out.to(q.dtype)
-        out_full = out0.clone()
-        out_full[qidx] = out
-        lse_full = lse0.clone()
-        lse_full[qidx] = m
-        ctx.save_for_backward(q, k0, v0, qidx, out_full, lse_full, rng, unused, *dk, *dv)
-        ctx.layout, ctx.scale, ctx.n, ctx.lse_shape = layout, scale, n, _LSE_SHAPE[0]
+    def forward(ctx, q, k0, v0, qidx, layout, scale, dk, dv):
+        T, (Q, H, d), kvh = k0.shape[0], q.shape, k0.shape[1]
+        fwd, _ = FLASH_KERNELS
+        qf = q.new_zeros(T, H, d).index_copy_(0, qidx, q)
+        out0, lse0, extra = fwd(qf, k0, v0, layout.cu_seqlens, layout.max_len, scale)
+        lse0 = lse0.view(H, T)
+        lq = _acc(lse0[:, qidx].T.reshape(Q, kvh, H // kvh))               # [Q, Hkv, g]
+        o = _acc(out0[qidx]).view(Q, kvh, H // kvh, d)
+        if dk is not None:
+            sd = torch.einsum("qhgd,nqhd->qhgn", _acc(_grouped(q, kvh)), _acc(dk)) * scale
+            m = torch.logsumexp(torch.cat([lq[..., None], sd], -1), -1)
+            o = o * torch.exp(lq - m)[..., None] + torch.einsum("qhgn,nqhd->qhgd", torch.exp(sd - m[..., None]),
+                                                                _acc(dv))
+        else:
+            m = lq
+        out = o.reshape(Q, H, d).to(q.dtype)
+        # What the kernel's backward must see: merged output and lse on the active rows.
+        out0.index_copy_(0, qidx, out)
+        lse0.index_copy_(1, qidx, m.reshape(Q, H).T.contiguous())
+        ctx.save_for_backward(q, k0, v0, qidx, out0, lse0, m, dk, dv)
+        ctx.layout, ctx.scale, ctx.extra = layout, scale, extra
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k0, v0, qidx, out_full, lse_full, rng, unused, *diag = ctx.saved_tensors
-        n, scale, layout = ctx.n, ctx.scale, ctx.layout
-        dk, dv = diag[:n], diag[n:]
-        T, heads, d = k0.shape[0], q.shape[1], q.shape[2]
-        qf = q.new_zeros(T, heads, d)
-        qf[qidx] = q
-        gf = g.new_zeros(T, heads, d)
-        gf[qidx] = g
-        cu = layout.cu_seqlens
-        lse_k = lse_full.T.contiguous() if ctx.lse_shape == "HT" else lse_full.contiguous()
-        dqf, dk0, dv0 = torch.ops.aten._flash_attention_backward(
-            gf, qf, k0, v0, out_full, lse_k, cu, cu, layout.max_len, layout.max_len, 0.0, True,
-            rng, unused, scale=scale)
-        dq = dqf[qidx].float()
-        m = lse_full[qidx]
-        out = out_full[qidx].float()
-        gq = g.float()
-        groups = heads // k0.shape[1]
-        grads_k, grads_v = [], []
-        for k, v in zip(dk, dv):
-            ke, ve = _expand(k, heads).float(), _expand(v, heads).float()
-            w = torch.exp((q.float() * ke).sum(-1) * scale - m)            # [Q, H]
-            ds = w * (gq * (ve - out)).sum(-1)                              # d loss / d score
-            dq = dq + ds[..., None] * scale * ke
-            grads_k.append((ds[..., None] * scale * q.float()).view(q.shape[0], -1, groups, d)
-                           .sum(2).to(k.dtype))
-            grads_v.append((w[..., None] * gq).view(q.shape[0], -1, groups, d).sum(2).to(v.dtype))
-        return (dq.to(q.dtype), dk0, dv0, None, None, None, *grads_k, *grads_v)
-
-
-_LSE_SHAPE = ["HT"]  # FlashAttention varlen returns lse as [heads, total]; set by _lse_rows
-
-
-def _lse_rows(lse: torch.Tensor, T: int) -> torch.Tensor:
-    if lse.dim() == 3:  # [1, H, T] on some builds
-        lse = lse[0]
-    if lse.shape[-1] == T:
-        _LSE_SHAPE[0] = "HT"
-        return lse.T.float()
-    _LSE_SHAPE[0] = "TH"
-    return lse.float()
+        q, k0, v0, qidx, out_full, lse_full, m, dk, dv = ctx.saved_tensors
+        layout, scale = ctx.layout, ctx.scale
+        T, (Q, H, d), kvh = k0.shape[0], q.shape, k0.shape[1]
+        _, bwd = FLASH_KERNELS
+        qf = q.new_zeros(T, H, d).index_copy_(0, qidx, q)
+        gf = g.new_zeros(T, H, d).index_copy_(0, qidx, g.contiguous())
+        dqf, dk0, dv0 = bwd(gf, qf, k0, v0, out_full, lse_full, layout.cu_seqlens, layout.max_len, scale,
+                            ctx.extra)
+        dq = dqf[qidx]
+        gdk = gdv = None
+        if dk is not None:
+            qg, gq = _acc(_grouped(q, kvh)), _acc(_grouped(g, kvh))
+            out = _acc(_grouped(out_full[qidx], kvh))
+            w = torch.exp(torch.einsum("qhgd,nqhd->qhgn", qg, _acc(dk)) * scale - m[..., None])
+            ds = w * (torch.einsum("qhgd,nqhd->qhgn", gq, _acc(dv)) - (gq * out).sum(-1, keepdim=True))
+            dq = (_acc(dq) + torch.einsum("qhgn,nqhd->qhgd", ds, _acc(dk)).reshape(Q, H, d) * scale).to(q.dtype)
+            gdk = (torch.einsum("qhgn,qhgd->nqhd", ds, qg) * scale).to(dk.dtype)
+            gdv = torch.einsum("qhgn,qhgd->nqhd", w, gq).to(dv.dtype)
+        return dq, dk0, dv0, None, None, None, gdk, gdv
 
 
 def flash_attention(q, k0, v0, dk, dv, qidx, layout: DocLayout, scale: float) -> torch.Tensor:
-    return _FlashTTT.apply(q.contiguous(), k0.contiguous(), v0.contiguous(), qidx, layout, scale,
-                           *[k.contiguous() for k in dk], *[v.contiguous() for v in dv])
+    c = lambda x: None if x is None else x.contiguous()
+    return _FlashTTT.apply(q.contiguous(), k0.contiguous(), v0.contiguous(), qidx, layout, scale, c(dk), c(dv))
 
 
 def ttt_attention(q, k0, v0, dk, dv, qidx, layout: DocLayout, scale: float, backend: str = "auto"):
@@ -137,3 +134,39 @@ def ttt_attention(q, k0, v0, dk, dv, qidx, layout: DocLayout, scale: float, back
         backend = "flash" if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else "math"
     fn = flash_attention if backend == "flash" else math_attention
     return fn(q, k0, v0, dk, dv, qidx, layout, scale)
+
+
+# ---- a plain varlen causal "flash" pair (any device / dtype), for tests of the merge algebra
+
+def reference_flash_fwd(q, k, v, cu, max_len, scale):
+    T, H, d = q.shape
+    kvh = k.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.zeros(H, T, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype, device=q.device)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qq, kk, vv = q[a:b], k[a:b].repeat_interleave(H // kvh, 1), v[a:b].repeat_interleave(H // kvh, 1)
+        s = torch.einsum("qhd,khd->hqk", _acc(qq), _acc(kk)) * scale
+        s = s.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        lse[:, a:b] = torch.logsumexp(s, -1)
+        out[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), _acc(vv)).to(q.dtype)
+    return out, lse, None
+
+
+def reference_flash_bwd(g, q, k, v, out, lse, cu, max_len, scale, extra):
+    T, H, d = q.shape
+    kvh = k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qq, kk, vv = _acc(q[a:b]), _acc(k[a:b].repeat_interleave(H // kvh, 1)), _acc(v[a:b].repeat_interleave(H // kvh, 1))
+        s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
+        s = s.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        p = torch.exp(s - lse[:, a:b, None])
+        gg, oo = _acc(g[a:b]), _acc(out[a:b])
+        dvv = torch.einsum("hqk,qhd->khd", p, gg)
+        dp = torch.einsum("qhd,khd->hqk", gg, vv)
+        ds = p * (dp - (gg * oo).sum(-1).T[..., None])
+        dq[a:b] = (torch.einsum("hqk,khd->qhd", ds, kk) * scale).to(q.dtype)
+        dkk = torch.einsum("hqk,qhd->khd", ds, qq) * scale
+        dk[a:b] = dkk.view(b - a, kvh, H // kvh, d).sum(2).to(k.dtype)
+        dv[a:b] = dvv.view(b - a, kvh, H // kvh, d).sum(2).to(v.dtype)
+    return dq, dk, dv

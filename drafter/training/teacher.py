@@ -139,6 +139,28 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def _ce_rows(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    lf = _acc(logits)
+    return torch.logsumexp(lf, -1) * p.sum(-1) - (p * lf).sum(-1)
+
+
+def _ce_grad(logits: torch.Tensor, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    d = torch.softmax(_acc(logits), -1) * p.sum(-1, keepdim=True) - p
+    return (d * g[:, None]).to(logits.dtype)
+
+
+_CE_COMPILED: dict = {}
+
+
+def _ce_fns(compile: bool):
+    if not compile:
+        return _ce_rows, _ce_grad
+    if not _CE_COMPILED:
+        _CE_COMPILED["f"] = torch.compile(_ce_rows, dynamic=True)
+        _CE_COMPILED["b"] = torch.compile(_ce_grad, dynamic=True)
+    return _CE_COMPILED["f"], _CE_COMPILED["b"]
+
+
 class _SoftCE(torch.autograd.Function):
     """Per-row cross entropy -sum_v p(v) log softmax(logits)(v), p = teacher rows `rows`.
 
@@ -146,28 +168,27 @@ class _SoftCE(torch.autograd.Function):
     fp32 log-softmax per TTT step, and never copies the teacher rows for autograd."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, chunk: int):
+    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, chunk: int, compile: bool):
+        fwd, _ = _ce_fns(compile)
         out = _acc(logits.new_empty(logits.shape[0]))
         for a in range(0, logits.shape[0], chunk):
-            lf = _acc(logits[a:a + chunk])
-            p = probs[rows[a:a + chunk]]
-            out[a:a + chunk] = torch.logsumexp(lf, -1) * p.sum(-1) - (p * lf).sum(-1)
+            out[a:a + chunk] = fwd(logits[a:a + chunk], probs[rows[a:a + chunk]])
         ctx.save_for_backward(logits, probs, rows)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.compile = chunk, compile
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         logits, probs, rows = ctx.saved_tensors
+        _, bwd = _ce_fns(ctx.compile)
         g = torch.empty_like(logits)
         for a in range(0, logits.shape[0], ctx.chunk):
-            p = probs[rows[a:a + ctx.chunk]]
-            d = torch.softmax(_acc(logits[a:a + ctx.chunk]), -1) * p.sum(-1, keepdim=True) - p
-            g[a:a + ctx.chunk] = (d * grad[a:a + ctx.chunk, None]).to(g.dtype)
-        return g, None, None, None
+            g[a:a + ctx.chunk] = bwd(logits[a:a + ctx.chunk], probs[rows[a:a + ctx.chunk]], grad[a:a + ctx.chunk])
+        return g, None, None, None, None
 
 
 def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
-                       chunk: int = 1024) -> torch.Tensor:
+                       chunk: int = 2048, compile: bool = False) -> torch.Tensor:
     """float32 [n]: cross entropy of each logits row against teacher row probs[rows[i]]."""
-    return _SoftCE.apply(logits, probs, rows, chunk)
+    return _SoftCE.apply(logits, probs, rows, chunk, compile)

@@ -64,6 +64,10 @@ class StepInputs:
     pm: torch.Tensor           # bool [K, T] loss weight non-zero (position mask)
     active: torch.Tensor       # bool [K, T] some loss at step k or later
     target_id: torch.Tensor    # int64 [K, T] full-vocab argmax of the teacher of (k, t)
+    # The plan, computed once on the CPU (one device sync per micro-batch, none inside the unroll):
+    idx: list[torch.Tensor] = None    # per k: sorted positions of A_k
+    sel: list[torch.Tensor] = None    # per k >= 1: where A_k sits inside A_{k-1}
+    hit: list[torch.Tensor] = None    # per k: rows of A_k that carry a loss
 
 
 def doc_positions(doc_lens: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,9 +120,29 @@ def prepare(mb: MicroBatch, embed: torch.Tensor | None, head: TargetHead, K: int
     lens = torch.tensor([0] + list(mb.doc_lens), dtype=torch.int64)
     layout = DocLayout(doc=doc, cu_seqlens=torch.cumsum(lens, 0).to(device=device, dtype=torch.int32),
                        max_len=max(mb.doc_lens))
+    idx, sel, hit = _plan(pm.cpu(), active.cpu(), device)
     return StepInputs(T=T, K=K, layout=layout, pos=pos, e_next=e_next.to(device=device, dtype=dtype),
                       aux=mb.aux.reshape(T, -1).to(device=device, dtype=dtype), teacher=teacher,
-                      rows=row_of[v], lm=lmk, pm=pm, active=active, target_id=tid[v])
+                      rows=row_of[v], lm=lmk, pm=pm, active=active, target_id=tid[v], idx=idx, sel=sel, hit=hit)
+
+
+def _plan(pm: torch.Tensor, active: torch.Tensor, device) -> tuple[list, list, list]:
+    """Index lists of the unroll, built on the CPU and shipped in one copy."""
+    parts, idx_prev = [], None
+    for k in range(pm.shape[0]):
+        idx = active[k].nonzero().flatten()
+        sel = torch.searchsorted(idx_prev, idx) if k else torch.zeros(0, dtype=torch.int64)
+        hit = pm[k, idx].nonzero().flatten()
+        parts += [idx, sel, hit]
+        idx_prev = idx
+    flat = torch.cat(parts)
+    flat = flat.pin_memory() if torch.device(device).type == "cuda" else flat
+    flat = flat.to(device, non_blocking=True)
+    views, a = [], 0
+    for part in parts:
+        views.append(flat[a:a + part.numel()])
+        a += part.numel()
+    return views[0::3], views[1::3], views[2::3]
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -126,24 +150,33 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> t
     return apply_rope(x.transpose(0, 1)[None], positions[None], inv_freq)[0].transpose(0, 1)
 
 
-def _mlp_block(layer, h: torch.Tensor) -> torch.Tensor:
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+def _norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """model.RMSNorm's math (normalise in float32, cast back, then the weight) in fused kernels."""
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.eps).to(x.dtype)
 
 
 def _attn_input(layer, e: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
-    return torch.cat((layer.input_layernorm(e), layer.hidden_norm(hid)), dim=-1)
+    return torch.cat((_norm(layer.input_layernorm, e), _norm(layer.hidden_norm, hid)), dim=-1)
+
+
+def _mlp_block(layer, h: torch.Tensor) -> torch.Tensor:
+    return h + layer.mlp(_norm(layer.post_attention_layernorm, h))
+
+
+def _logits(model, h: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(_norm(model.norm, h))
 
 
 _COMPILED: dict = {}
 
 
-def _blocks(compile: bool):
+def _fn(name: str, fn, compile: bool):
+    """`fn`, or its torch.compile'd version (dynamic row counts) when asked for."""
     if not compile:
-        return _attn_input, _mlp_block
-    if not _COMPILED:
-        _COMPILED["in"] = torch.compile(_attn_input, dynamic=True)
-        _COMPILED["mlp"] = torch.compile(_mlp_block, dynamic=True)
-    return _COMPILED["in"], _COMPILED["mlp"]
+        return fn
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn, dynamic=True)
+    return _COMPILED[name]
 
 
 def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: float,
@@ -152,58 +185,62 @@ def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: floa
     layer, attn = model.midlayer, model.midlayer.self_attn
     heads, kvh, d = attn.heads, attn.kv_heads, attn.head_dim
     scale = d ** -0.5
-    if attn.inv_freq.device != si.aux.device:
-        attn.inv_freq = attn.inv_freq.to(si.aux.device)
-    attn_input, mlp_block = _blocks(compile)
-    stats = torch.zeros(si.K, len(STATS), dtype=torch.float64, device=si.aux.device)
-    chain = torch.ones(si.T, dtype=torch.bool, device=si.aux.device)
-    total = si.aux.new_zeros((), dtype=torch.float64 if si.aux.dtype == torch.float64 else torch.float32)
+    dev = si.aux.device
+    if attn.inv_freq.device != dev:
+        attn.inv_freq = attn.inv_freq.to(dev)
+    attn_input = _fn("in", _attn_input, compile)
+    mlp_block = _fn("mlp", _mlp_block, compile)
+    logits_of = _fn("logits", _logits, compile)
+    rope = _fn("rope", _rope, compile)
+    acc_dtype = torch.float64 if si.aux.dtype == torch.float64 else torch.float32
+    total = torch.zeros((), dtype=acc_dtype, device=dev)
+    loss_sums = torch.zeros(si.K, dtype=torch.float64, device=dev)
+    correct = torch.zeros(si.K, si.T, dtype=torch.bool, device=dev)
 
     h_in = model.fc(si.aux)
     x = attn_input(layer, si.e_next, h_in)
-    k0 = _rope(attn.k_proj(x).view(si.T, kvh, d), si.pos, attn.inv_freq)
+    k0 = rope(attn.k_proj(x).view(si.T, kvh, d), si.pos, attn.inv_freq)
     v0 = attn.v_proj(x).view(si.T, kvh, d)
-    prev_idx = prev_h = None
-    dks: list[torch.Tensor] = []
-    dvs: list[torch.Tensor] = []
+    prev_h = dk = dv = None
     for k in range(si.K):
-        idx = si.active[k].nonzero().flatten()
-        correct = torch.zeros(si.T, dtype=torch.bool, device=si.aux.device)
-        if idx.numel():
-            if k == 0:
-                hid, xq = h_in[idx], x[idx]
-                q = attn.q_proj(xq).view(-1, heads, d)
-            else:
-                sel = torch.searchsorted(prev_idx, idx)  # A_k is a subset of A_{k-1}
-                hid = prev_h[sel]
-                xq = attn_input(layer, si.e_next[idx + k], hid)
-                q = attn.q_proj(xq).view(-1, heads, d)
-                kk = _rope(attn.k_proj(xq).view(-1, kvh, d), si.pos[idx] + k, attn.inv_freq)
-                dks = [t[sel] for t in dks] + [kk]
-                dvs = [t[sel] for t in dvs] + [attn.v_proj(xq).view(-1, kvh, d)]
-            q = _rope(q, si.pos[idx] + k, attn.inv_freq)
-            out = ttt_attention(q, k0, v0, dks, dvs, idx, si.layout, scale, attention)
-            h = mlp_block(layer, hid + attn.o_proj(out.reshape(idx.numel(), heads * d)))
-            hit = si.pm[k, idx]
-            if hit.any():
-                logits = model.compute_logits(h[hit])
-                where = idx[hit]
-                ce = soft_cross_entropy(logits, si.teacher.probs, si.rows[k, where])
-                total = total + (decay ** k) * ce.sum() / norm
-                with torch.no_grad():
-                    pred = logits.argmax(-1)
-                    correct[where] = model.draft_to_target(pred) == si.target_id[k, where]
-                    stats[k, 0] = ce.detach().sum().double()
-            prev_idx, prev_h = idx, h
-        with torch.no_grad():
-            lm = si.lm[k]
-            stats[k, 1] = si.pm[k].sum()
-            stats[k, 2] = lm.sum()
-            stats[k, 3] = (correct & lm).sum()
-            stats[k, 5] = (chain & lm).sum()
-            chain = chain & correct
-            stats[k, 4] = (chain & lm).sum()
-    return total, stats
+        idx = si.idx[k]
+        if idx.numel() == 0:
+            break  # A_k shrinks with k: nothing carries a loss from here on
+        if k == 0:
+            hid, xq = h_in[idx], x[idx]
+        else:
+            sel = si.sel[k]
+            hid = prev_h[sel]
+            xq = attn_input(layer, si.e_next[idx + k], hid)
+            kk = rope(attn.k_proj(xq).view(-1, kvh, d), si.pos[idx] + k, attn.inv_freq)
+            vv = attn.v_proj(xq).view(-1, kvh, d)
+            dk = kk[None] if dk is None else torch.cat([dk[:, sel], kk[None]])
+            dv = vv[None] if dv is None else torch.cat([dv[:, sel], vv[None]])
+        q = rope(attn.q_proj(xq).view(-1, heads, d), si.pos[idx] + k, attn.inv_freq)
+        out = ttt_attention(q, k0, v0, dk, dv, idx, si.layout, scale, attention)
+        h = mlp_block(layer, hid + attn.o_proj(out.reshape(idx.numel(), heads * d)))
+        hit = si.hit[k]
+        if hit.numel():
+            logits = logits_of(model, h[hit])
+            where = idx[hit]
+            ce = soft_cross_entropy(logits, si.teacher.probs, si.rows[k, where], compile=compile)
+            total = total + ce.sum() * ((decay ** k) / norm)
+            with torch.no_grad():
+                loss_sums[k] = ce.detach().sum()
+                pred = logits.argmax(-1)
+                correct[k, where] = model.draft_to_target(pred) == si.target_id[k, where]
+        prev_h = h
+    return total, _stats(si, loss_sums, correct)
+
+
+@torch.no_grad()
+def _stats(si: StepInputs, loss_sums: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+    """The STATS columns, all positions and steps at once."""
+    lm = si.lm
+    chain = correct.long().cumprod(0).bool()                     # right at every step 0..k
+    before = torch.cat([torch.ones_like(chain[:1]), chain[:-1]])  # right at every step 0..k-1
+    cols = [loss_sums, si.pm.sum(1), lm.sum(1), (correct & lm).sum(1), (chain & lm).sum(1), (before & lm).sum(1)]
+    return torch.stack([c.double() for c in cols], 1)
 
 
 def dense_ttt_loss(model: Eagle3Drafter, mb: MicroBatch, embed: torch.Tensor, lm_head: torch.Tensor,
