@@ -83,6 +83,7 @@ def bench_target(path: Path, conversations: list[dict], args) -> list[tuple[str,
         store = FileStore(tmp)
         up = StageOutput(store, "prepare", "bench000")
         up.write_shard("train.jsonl", to_jsonl(samples))
+        up.write_shard("eval.jsonl", to_jsonl([]))
         up.commit({})
         t = time.perf_counter()
         meta = dump.run(cfg, store, upstream={"prepare": "bench000"}).manifest.meta

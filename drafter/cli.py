@@ -95,10 +95,9 @@ def prepare(config: Path = ConfigOpt) -> None:
 @app.command("datagen")
 def datagen(config: Path = ConfigOpt,
             server: list[str] = typer.Option([], help="OpenAI-compatible base URL (repeatable); "
-                                                      "default: datagen.server_urls, else start serve.engine"),
-            split: Optional[str] = typer.Option(None, help="prepared split to regenerate (default: datagen.split)")) -> None:
-    """Regenerate the assistant turns of the prepared prompts with the target."""
-    cfg = _load(config, {"datagen.server_urls": list(server) or None, "datagen.split": split})
+                                                      "default: datagen.server_urls, else start serve.engine")) -> None:
+    """Regenerate the assistant turns of the prepared prompts (train and eval splits) with the target."""
+    cfg = _load(config, {"datagen.server_urls": list(server) or None})
     result = _run_stage("datagen", cfg, unit="conv", on_line=lambda line: typer.echo(line, err=True))
     typer.echo(json.dumps(result.meta, indent=2, default=str))
 

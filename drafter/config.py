@@ -174,7 +174,6 @@ class DatagenConfig(Strict):
     request_timeout_s: float = OutputField(300.0, gt=0)
     max_retries: int = OutputField(4, ge=0)
     shard_size: int = OutputField(256, ge=1, description="conversations per committed shard")
-    split: Literal["train", "eval"] = OutputField("train", description="prepared split to regenerate")
     max_consecutive_failures: int = OperationalField(
         10, ge=1, description="a server failing this many attempts in a row (5xx, 429, timeouts, refused "
                               "connections) counts as down: the stage stops, keeping its finished shards")

@@ -38,42 +38,56 @@ def load_prepared(store: ObjectStore, manifest_or_fingerprint: Manifest | str,
     return StageOutput.committed(store, PREPARE, manifest_or_fingerprint).read_jsonl(name)
 
 
-# ---- datagen: `gen-NNNNN.jsonl` (records) and `errors-NNNNN.jsonl` (failed conversations)
+# Later stages keep the two splits apart inside one output: a shard of the held-out (eval) split
+# carries the prefix `eval-`, a training shard none (so outputs without eval shards read as before).
 
 
-def gen_shard_name(index: int) -> str:
-    return f"gen-{index:05d}.jsonl"
+def split_prefix(split: str) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return "" if split == "train" else f"{split}-"
 
 
-def error_shard_name(index: int) -> str:
-    return f"errors-{index:05d}.jsonl"
+def shards_of_split(manifest: Manifest, kind: str, split: str = "train") -> list[str]:
+    """The names of a committed output's `kind` shards (`gen`, `errors`, `hs`) of one split."""
+    prefix = f"{split_prefix(split)}{kind}-"
+    return [s.name for s in manifest.shards if s.name.startswith(prefix)]
+
+
+# ---- datagen: `[eval-]gen-NNNNN.jsonl` (records), `[eval-]errors-NNNNN.jsonl` (failed conversations)
+
+
+def gen_shard_name(index: int, split: str = "train") -> str:
+    return f"{split_prefix(split)}gen-{index:05d}.jsonl"
+
+
+def error_shard_name(index: int, split: str = "train") -> str:
+    return f"{split_prefix(split)}errors-{index:05d}.jsonl"
 
 
 def iter_generations(store: ObjectStore, manifest_or_fingerprint: Manifest | str,
-                     errors: bool = False) -> Iterator[dict]:
-    """The committed records (or, with `errors`, the error records) in shard order, verified."""
+                     errors: bool = False, split: str = "train") -> Iterator[dict]:
+    """The committed records (or, with `errors`, the error records) of `split` in shard order, verified."""
     out = StageOutput.committed(store, DATAGEN, manifest_or_fingerprint)
-    prefix = "errors-" if errors else "gen-"
-    for info in out.manifest.shards:
-        if info.name.startswith(prefix):
-            yield from out.read_jsonl(info.name)
+    for name in shards_of_split(out.manifest, "errors" if errors else "gen", split):
+        yield from out.read_jsonl(name)
 
 
-def read_conversations(store: ObjectStore, stage: str, fp: str) -> list[dict]:
-    """Conversations in order from an upstream output: prepare's `train` split, or datagen's
+def read_conversations(store: ObjectStore, stage: str, fp: str, split: str = "train") -> list[dict]:
+    """Conversations of `split` in order from an upstream output: prepare's split, or datagen's
     generations (shard order); both refuse an uncommitted upstream."""
     if stage == PREPARE:
-        return load_prepared(store, fp, "train")
+        return load_prepared(store, fp, split)
     if stage == DATAGEN:
-        return list(iter_generations(store, fp))
+        return list(iter_generations(store, fp, split=split))
     raise ValueError(f"no conversations in a {stage!r} output (expected {PREPARE} or {DATAGEN})")
 
 
-# ---- dump: `hs-NNNNN.safetensors` (format: drafter.shards)
+# ---- dump: `[eval-]hs-NNNNN.safetensors` (format: drafter.shards)
 
 
-def hidden_state_shard_name(index: int) -> str:
-    return f"hs-{index:05d}.safetensors"
+def hidden_state_shard_name(index: int, split: str = "train") -> str:
+    return f"{split_prefix(split)}hs-{index:05d}.safetensors"
 
 
 class DumpMismatch(DrafterError, ValueError):
@@ -99,8 +113,8 @@ def check_dump_manifest(manifest: Manifest, expect_aux_layer_ids: list[int],
 
 def iter_dump_samples(store: ObjectStore, manifest: Manifest | str, *, expect_aux_layer_ids: list[int],
                       expect_layer_id_convention: str = LAYER_ID_CONVENTION,
-                      workdir: str | Path | None = None) -> Iterator[dict]:
-    """Samples of a committed dump, shard by shard in manifest order: dicts with `id`, `input_ids`,
+                      workdir: str | Path | None = None, split: str = "train") -> Iterator[dict]:
+    """Samples of one split of a committed dump, shard by shard in manifest order: dicts with `id`, `input_ids`,
     `loss_mask`, `aux_hidden_states` [T, 3, H], `hidden_states` [T, H] (memory-mapped views).
     Each shard is downloaded and checked against its sha256 (the next one downloads while the
     current one is read); the manifest is checked against the expected layer ids first."""
@@ -112,7 +126,7 @@ def iter_dump_samples(store: ObjectStore, manifest: Manifest | str, *, expect_au
     with tempfile.TemporaryDirectory(prefix="dump-read-", dir=workdir) as tmp, \
             ThreadPoolExecutor(max_workers=1) as pool:
         fetch = lambda name: out.download_shard(name, Path(tmp) / name)
-        names = [s.name for s in manifest.shards]
+        names = shards_of_split(manifest, "hs", split)
         future = pool.submit(fetch, names[0]) if names else None
         for k, name in enumerate(names):
             path = future.result()

@@ -187,8 +187,8 @@ def datagen_output(cfg: LifecycleConfig, store, fp: str):
     return datagen.output(cfg, store, {"prepare": fp})
 
 
-def datagen_fingerprint(cfg: LifecycleConfig, fp: str, split: str = "train") -> str:
-    return datagen.fingerprint(with_datagen(cfg, split=split), {"prepare": fp})
+def datagen_fingerprint(cfg: LifecycleConfig, fp: str) -> str:
+    return datagen.fingerprint(cfg, {"prepare": fp})
 
 
 def gen_shards(cfg, store, fp) -> dict:
@@ -420,7 +420,30 @@ def test_fingerprint_ignores_only_operational_settings(tmp_path):
     hotter = cfg.model_copy(update={"datagen": cfg.datagen.model_copy(update={"temperature": 0.7})})
     other_target = cfg.model_copy(update={"target": TargetConfig(path="/elsewhere", name="fake-model")})
     assert len({fp, datagen_fingerprint(hotter, "p1"), datagen_fingerprint(other_target, "p1"),
-                datagen_fingerprint(cfg, "p2"), datagen_fingerprint(cfg, "p1", split="eval")}) == 5
+                datagen_fingerprint(cfg, "p2")}) == 4
+
+
+def test_eval_split_is_regenerated_into_its_own_shards(tmp_path, fakes):
+    """Held-out metrics need held-out answers written by the target too: the eval split lands in
+    `eval-gen-*` shards of the same output, and the train split reads as before."""
+    fake = fakes()
+    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"), [sharegpt(i) for i in range(10)])
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"eval_fraction": 0.3})})
+    store = open_store(cfg.storage)
+    fp = prepared(cfg, store)
+    result = run_datagen(cfg, store, fp, [fake.url])
+    meta = result.manifest.meta
+    train = [r["id"] for r in iter_generations(store, result.manifest)]
+    held_out = [r["id"] for r in iter_generations(store, result.manifest, split="eval")]
+    assert held_out and not set(train) & set(held_out) and len(train) + len(held_out) == 10
+    assert meta["conversations"] == len(train) and meta["eval"]["generated"] == len(held_out)
+    assert all(s.name.startswith(("gen-", "eval-gen-")) for s in result.manifest.shards)
+    assert meta["eval_shards"] == sum(s.name.startswith("eval-gen-") for s in result.manifest.shards) >= 1
+    assert all(r["messages"][-1]["content"].startswith("[") for r in iter_generations(store, fp_of(result), split="eval"))
+
+
+def fp_of(result) -> str:
+    return result.manifest.fingerprint
 
 
 def test_config_errors(tmp_path):

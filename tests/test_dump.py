@@ -63,9 +63,10 @@ def convs(tiny_conversations):
     return out
 
 
-def put_prepared(store, conversations, fp="prep0000") -> str:
+def put_prepared(store, conversations, fp="prep0000", held_out=()) -> str:
     out = StageOutput(store, "prepare", fp)
     out.write_shard("train.jsonl", to_jsonl(conversations))
+    out.write_shard("eval.jsonl", to_jsonl(held_out))
     out.commit({"train": len(conversations)})
     return fp
 
@@ -328,10 +329,10 @@ def test_resume_with_two_cpu_workers(any_store, tmp_path, tiny_target, convs, mo
     fp = put_prepared(any_store, convs[:10])
     real_build = dump.build_shard
 
-    def crash_at_shard_3(cm, plan, index, records, spool):
+    def crash_at_shard_3(cm, plan, index, records, spool, split):
         if index == 3:
             raise RuntimeError("simulated crash")
-        return real_build(cm, plan, index, records, spool)
+        return real_build(cm, plan, index, records, spool, split)
 
     monkeypatch.setattr(dump, "build_shard", crash_at_shard_3)
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -425,3 +426,22 @@ def test_storage_projection_reproduces_the_seed_run():
     assert storage_projection(1000.0, 2_000_000) == "2.0M tokens (1,000 B/token) -> 2.0 GB (1.9 GiB)"
     with pytest.raises(ValueError):
         bytes_per_token(7168, "int8")
+
+
+def test_eval_split_is_dumped_into_its_own_shards(tmp_path, tiny_target, convs):
+    """The trainer needs held-out features: the eval split lands in `eval-hs-*` shards of the same
+    output, read with split="eval"; the train split's shards and counts are unchanged by it."""
+    store = FileStore(tmp_path / "store")
+    fp = put_prepared(store, convs[:5], held_out=convs[5:8])
+    result = run_dump(make_cfg(tiny_target, samples_per_shard=2), store, "prepare", fp)
+    names = sorted(s.name for s in result.manifest.shards)
+    assert names == ["eval-hs-00000.safetensors", "eval-hs-00001.safetensors", shard_name(0), shard_name(1),
+                     shard_name(2)]
+    assert shard_name(1, "eval") == "eval-hs-00001.safetensors"
+    meta = result.manifest.meta
+    assert meta["num_samples"] == 5 and meta["num_shards"] == 3
+    assert meta["eval"]["num_samples"] == 3 and meta["eval"]["num_shards"] == 2
+    held_out = [s["id"] for s in iter_dump_samples(store, result.manifest, expect_aux_layer_ids=AUX, split="eval")]
+    train = [s["id"] for s in iter_dump_samples(store, result.manifest, expect_aux_layer_ids=AUX)]
+    assert sorted(held_out) == sorted(c["id"] for c in convs[5:8])
+    assert sorted(train) == sorted(c["id"] for c in convs[:5])

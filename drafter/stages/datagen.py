@@ -29,7 +29,7 @@ from typing import Any, Coroutine, TypeVar
 
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.formats import DATAGEN as STAGE
-from drafter.formats import PREPARE, error_shard_name, gen_shard_name, load_prepared
+from drafter.formats import PREPARE, SPLITS, error_shard_name, gen_shard_name, load_prepared
 from drafter.openai_client import ChatClient, DatagenServerDown, RequestFailed, ServerPool
 from drafter.serving.session import ServerSession
 from drafter.stage_output import Progress, ShardInfo, StageOutput, StageResult, guarded_progress, to_jsonl
@@ -44,11 +44,10 @@ T = TypeVar("T")
 
 def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
     """The datagen section's output fields, the target's identity and the prepared corpus."""
-    section = fingerprint_fields(cfg.datagen)
-    split = section.pop("split")
     # The answers depend on the target's weights and on the name requests use.
     target = {"served_name": cfg.target.served_name, **target_identity(cfg.target)}
-    return stage_fingerprint(STAGE, {"datagen": section, "target": target, "split": split}, [upstream[PREPARE]])
+    return stage_fingerprint(STAGE, {"datagen": fingerprint_fields(cfg.datagen), "target": target,
+                                     "splits": list(SPLITS)}, [upstream[PREPARE]])
 
 
 def output(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> StageOutput:
@@ -64,6 +63,7 @@ class _Shard:
 
     index: int
     conversations: list[dict]
+    split: str = "train"
     records: list[dict | None] = field(default_factory=list)
     errors: list[dict | None] = field(default_factory=list)
     remaining: int = 0
@@ -73,6 +73,14 @@ class _Shard:
         self.records = [None] * len(self.conversations)
         self.errors = [None] * len(self.conversations)
         self.remaining = len(self.conversations)
+
+    @property
+    def name(self) -> str:
+        return gen_shard_name(self.index, self.split)
+
+    @property
+    def error_name(self) -> str:
+        return error_shard_name(self.index, self.split)
 
     def finish(self, position: int, record: dict | None, error: dict | None) -> None:
         self.records[position], self.errors[position] = record, error
@@ -179,14 +187,14 @@ class _Generation:
         records = [r for r in shard.records if r is not None]
         errors = [e for e in shard.errors if e is not None]
         # The store is blocking (boto3, fsync): keep the event loop generating meanwhile.
-        await asyncio.to_thread(self._write_files, shard.index, records, errors)
+        await asyncio.to_thread(self._write_files, shard, records, errors)
         shard.saved = True
         shard.records = shard.errors = []  # free the memory; the store holds them now
 
-    def _write_files(self, index: int, records: list[dict], errors: list[dict]) -> None:
+    def _write_files(self, shard: _Shard, records: list[dict], errors: list[dict]) -> None:
         if errors:
-            self.out.write_shard(error_shard_name(index), to_jsonl(errors), meta={"rows": len(errors)})
-        self.out.write_shard(gen_shard_name(index), to_jsonl(records), meta=shard_meta(records, errors))
+            self.out.write_shard(shard.error_name, to_jsonl(errors), meta={"rows": len(errors)})
+        self.out.write_shard(shard.name, to_jsonl(records), meta=shard_meta(records, errors))
 
     # ---- one conversation
 
@@ -270,25 +278,33 @@ def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
 # ------------------------------------------------------------------------------------- the stage
 
 
-def _manifest_meta(cfg: LifecycleConfig, shards: dict[str, ShardInfo], split: str, prepare_fp: str,
-                   resumed: int, n_shards: int, this_run: dict[str, Any]) -> dict[str, Any]:
-    gen = [info.meta for name, info in shards.items() if name.startswith("gen-")]
+def _counts(metas: list[dict]) -> dict[str, Any]:
+    """Conversation, error, turn and token counts summed over shard markers."""
     total: Counter = Counter()
     errors_by_reason: Counter = Counter()
     finish_reasons: Counter = Counter()
-    for m in gen:
+    for m in metas:
         total.update({k: m[k] for k in ("conversations", "generated", "errors", "turns",
                                         "prompt_tokens", "completion_tokens")})
         errors_by_reason.update(m["errors_by_reason"])
         finish_reasons.update(m["finish_reasons"])
+    return {**{k: total[k] for k in ("conversations", "generated", "errors", "turns", "prompt_tokens",
+                                     "completion_tokens")},
+            "errors_by_reason": dict(sorted(errors_by_reason.items())),
+            "finish_reasons": dict(sorted(finish_reasons.items()))}
+
+
+def _manifest_meta(cfg: LifecycleConfig, shards: dict[str, ShardInfo], plan: dict[str, list[str]],
+                   prepare_fp: str, resumed: int, this_run: dict[str, Any]) -> dict[str, Any]:
+    """Top-level counts describe the train split (what the drafter learns from); `eval` the
+    held-out split (regenerated the same way, for held-out metrics)."""
     d = cfg.datagen
     return {
-        "split": split, "prepare_fingerprint": prepare_fp,
-        **{k: total[k] for k in ("conversations", "generated", "errors", "turns", "prompt_tokens",
-                                 "completion_tokens")},
-        "errors_by_reason": dict(sorted(errors_by_reason.items())),
-        "finish_reasons": dict(sorted(finish_reasons.items())),
-        "shards": n_shards, "shard_size": d.shard_size, "resumed_shards": resumed,
+        "prepare_fingerprint": prepare_fp,
+        **_counts([shards[name].meta for name in plan["train"]]),
+        "eval": _counts([shards[name].meta for name in plan["eval"]]),
+        "shards": len(plan["train"]), "eval_shards": len(plan["eval"]), "shard_size": d.shard_size,
+        "resumed_shards": resumed,
         "generation": {"model": cfg.target.served_name, "target_path": cfg.target.path,
                        "temperature": d.temperature, "max_tokens": d.max_tokens,
                        "request_timeout_s": d.request_timeout_s, "max_retries": d.max_retries},
@@ -301,14 +317,15 @@ def _drop_stale_errors(out: StageOutput, done: dict[str, ShardInfo], todo: list[
     redone shard and name conversations that are now fine: remove it before redoing shard i.
     Removing the object is enough, a marker only counts while its shard exists."""
     for shard in todo:
-        name = error_shard_name(shard.index)
+        name = shard.error_name
         if name in done:
             out.store.delete(out.key(name))
 
 
 def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str],
         progress: Progress | None = None, on_line=None) -> StageResult:
-    """Regenerate the answers of the prepared `datagen.split` through `datagen.server_urls`
+    """Regenerate the answers of both prepared splits (train, then the held-out eval split, whose
+    shards carry the prefix `eval-`) through `datagen.server_urls`
     (OpenAI-compatible), or, with none given, through `serve.engine` serving the target alone,
     started here through the server session and always torn down. Skips (starting and contacting
     no server) when the output is complete; resumes at the missing shards. Raises
@@ -317,25 +334,28 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     out = output(cfg, store, upstream)
     if out.is_complete():
         return _result(out, skipped=True)
-    split, prepare_fingerprint = cfg.datagen.split, upstream[PREPARE]
-    conversations = load_prepared(store, prepare_fingerprint, split)
+    prepare_fingerprint = upstream[PREPARE]
     size = cfg.datagen.shard_size
-    n_shards = math.ceil(len(conversations) / size)
+    shards: list[_Shard] = []
+    for split in SPLITS:
+        conversations = load_prepared(store, prepare_fingerprint, split)
+        shards += [_Shard(i, conversations[i * size:(i + 1) * size], split)
+                   for i in range(math.ceil(len(conversations) / size))]
+    plan = {split: [s.name for s in shards if s.split == split] for split in SPLITS}
     done = out.completed_shards()
-    todo = [_Shard(i, conversations[i * size:(i + 1) * size])
-            for i in range(n_shards) if gen_shard_name(i) not in done]
-    resumed = n_shards - len(todo)
+    todo = [s for s in shards if s.name not in done]
+    resumed = len(shards) - len(todo)
     this_run: dict[str, Any] = {}
     if todo:
         if resumed:
-            log.info("datagen: resuming %s, %d of %d shards already done", out.uri, resumed, n_shards)
+            log.info("datagen: resuming %s, %d of %d shards already done", out.uri, resumed, len(shards))
         _drop_stale_errors(out, done, todo)
-        done_before = len(conversations) - sum(len(s.conversations) for s in todo)
-        generate = lambda urls: _run_sync(_generate(out, cfg, todo, urls, progress, done_before,
-                                                    len(conversations)))
+        total = sum(len(s.conversations) for s in shards)
+        done_before = total - sum(len(s.conversations) for s in todo)
+        generate = lambda urls: _run_sync(_generate(out, cfg, todo, urls, progress, done_before, total))
         this_run = _with_servers(cfg, generate, on_line)
-    out.commit(lambda shards: _manifest_meta(cfg, shards, split, prepare_fingerprint, resumed, n_shards, this_run),
-               expect=[gen_shard_name(i) for i in range(n_shards)])
+    out.commit(lambda committed: _manifest_meta(cfg, committed, plan, prepare_fingerprint, resumed, this_run),
+               expect=[s.name for s in shards])
     return _result(out, skipped=False)
 
 
@@ -372,5 +392,7 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
     rows = [{"metric": k, "value": str(meta[k])} for k in (
         "conversations", "generated", "errors", "errors_by_reason", "turns", "completion_tokens",
         "finish_reasons", "shards", "resumed_shards")]
+    rows.append({"metric": "eval", "value": f"{meta['eval']['generated']} of {meta['eval']['conversations']} "
+                                            f"held-out conversations generated"})
     rows += [{"metric": f"throughput.{k}", "value": str(v)} for k, v in t.items() if k != "servers"]
     return StageResult.committed(out.manifest, out.uri, skipped, summary, rows)

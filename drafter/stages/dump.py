@@ -48,7 +48,7 @@ from drafter import capture
 from drafter.config import LAYER_ID_CONVENTION, ConfigError, LifecycleConfig, fingerprint_fields
 from drafter.dtypes import dtype_name
 from drafter.errors import DrafterError
-from drafter.formats import DATAGEN, PREPARE, read_conversations
+from drafter.formats import DATAGEN, PREPARE, SPLITS, read_conversations, split_prefix
 from drafter.formats import DUMP as STAGE
 from drafter.formats import hidden_state_shard_name as shard_name
 from drafter.layers import check_aux_layer_ids
@@ -152,7 +152,7 @@ class BuiltShard:
 
 
 def build_shard(cm: capture.CaptureModel, plan: DumpPlan, index: int, records: list[dict],
-                spool_dir: Path) -> BuiltShard:
+                spool_dir: Path, split: str = "train") -> BuiltShard:
     """Tokenise, capture in token-budget batches, drop non-finite samples, write the shard file."""
     dump = plan.cfg.dump
     samples, quarantined, truncated = [], [], 0
@@ -171,7 +171,8 @@ def build_shard(cm: capture.CaptureModel, plan: DumpPlan, index: int, records: l
             reason = None if any(mask) else "no_loss_tokens"
         if reason is not None:
             rid = rec.get("id") if isinstance(rec, dict) else None
-            quarantined.append({"id": str(rid) if rid is not None else f"#{index}.{pos}", "reason": reason})
+            where = f"{split_prefix(split)}{index}.{pos}"
+            quarantined.append({"id": str(rid) if rid is not None else f"#{where}", "reason": reason})
             continue
         samples.append((str(rec["id"]), ids, mask))
 
@@ -189,11 +190,11 @@ def build_shard(cm: capture.CaptureModel, plan: DumpPlan, index: int, records: l
                     continue
                 writer.add(sid, ids, mask, aux, final)
                 loss_tokens += sum(mask)
-        meta = {"index": index, "samples": len(writer), "tokens": writer.num_tokens, "loss_tokens": loss_tokens,
+        meta = {"index": index, "split": split, "samples": len(writer), "tokens": writer.num_tokens, "loss_tokens": loss_tokens,
                 "truncated": truncated, "quarantined": quarantined, "batches": len(batches),
                 "device": str(cm.device), "tokens_per_batch": dump.tokens_per_batch}
         h = cm.hidden_size
-        path = writer.finish(spool_dir / shard_name(index), empty_like={
+        path = writer.finish(spool_dir / shard_name(index, split), empty_like={
             "input_ids": (torch.int64, ()), "loss_mask": (torch.uint8, ()),
             "aux_hidden_states": (cm.dtype, (NUM_AUX, h)), "hidden_states": (cm.dtype, (h,))})
     except BaseException:
@@ -254,16 +255,18 @@ class _Uploader:
             raise self.error
 
 
-def _worker(plan: DumpPlan, device: torch.device, indices: list[int], records: dict[int, list[dict]],
+def _worker(plan: DumpPlan, device: torch.device, jobs: list[tuple[str, int]],
+            records: dict[tuple[str, int], list[dict]],
             out: StageOutput, spool: Path, on_done: Callable[[str], None], stop: threading.Event) -> None:
     cm = capture.load_capture_model(plan.cfg.target.path, device, plan.dtype, plan.aux_layer_ids,
                                     plan.cfg.target.trust_remote_code)
     uploader = _Uploader(out, on_done, plan.cfg.dump.upload_queue, plan.cfg.dump.upload_threads)
     try:
-        for i in indices:
+        for split, index in jobs:
             if stop.is_set():
                 break
-            uploader.put(shard_name(i), build_shard(cm, plan, i, records.pop(i), spool))
+            uploader.put(shard_name(index, split),
+                         build_shard(cm, plan, index, records.pop((split, index)), spool, split))
     except BaseException:
         uploader.close(raise_error=False)  # the compute error is the one to report
         raise
@@ -293,7 +296,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _run_workers(plan: DumpPlan, out: StageOutput, pending: list[int], records: dict[int, list[dict]],
+def _run_workers(plan: DumpPlan, out: StageOutput, pending: list[tuple[str, int]],
+                 records: dict[tuple[str, int], list[dict]],
                  progress: Progress | None, done_before: int, total: int) -> None:
     devices = plan.devices[:len(pending)]  # no model load for a device without work
     lock, done = threading.Lock(), [done_before]
@@ -353,20 +357,24 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     if out.is_complete():
         return _result(out, skipped=True)
     upstream_stage, upstream_fingerprint = plan.upstream_stage, plan.upstream_fingerprint
-    conversations = read_conversations(store, upstream_stage, upstream_fingerprint)
-    if not conversations:
-        raise EmptyUpstream(f"{upstream_stage}/{upstream_fingerprint} holds no conversations")
     size = cfg.dump.samples_per_shard
-    names = [shard_name(i) for i in range(math.ceil(len(conversations) / size))]
+    # Train shards first, then the (small) held-out split the trainer evaluates on.
+    splits = {split: read_conversations(store, upstream_stage, upstream_fingerprint, split) for split in SPLITS}
+    if not splits["train"]:
+        raise EmptyUpstream(f"{upstream_stage}/{upstream_fingerprint} holds no conversations")
+    jobs = [(split, i) for split in SPLITS for i in range(math.ceil(len(splits[split]) / size))]
+    names = {split: [shard_name(i, split) for s, i in jobs if s == split] for split in SPLITS}
     done = out.completed_shards()
-    pending = [i for i, name in enumerate(names) if name not in done]
-    records = {i: conversations[i * size:(i + 1) * size] for i in pending}
-    del conversations
+    pending = [(split, i) for split, i in jobs if shard_name(i, split) not in done]
+    records = {(split, i): splits[split][i * size:(i + 1) * size] for split, i in pending}
+    del splits
     if pending:
-        log.info("dump %s: %d of %d shards to compute on %s", out.uri, len(pending), len(names),
+        log.info("dump %s: %d of %d shards to compute on %s", out.uri, len(pending), len(jobs),
                  ", ".join(map(str, plan.devices[:len(pending)])))
-        _run_workers(plan, out, pending, records, progress, len(names) - len(pending), len(names))
-    out.commit(lambda shards: summarize(plan, [shards[n] for n in names]), expect=names)
+        _run_workers(plan, out, pending, records, progress, len(jobs) - len(pending), len(jobs))
+    out.commit(lambda shards: summarize(plan, [shards[n] for n in names["train"]],
+                                        [shards[n] for n in names["eval"]]),
+               expect=[shard_name(i, split) for split, i in jobs])
     return _result(out, skipped=False)
 
 
@@ -380,6 +388,9 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
     summary = [f"{meta['num_samples']} samples, {meta['num_tokens']} tokens ({meta['num_loss_tokens']} with loss), "
                f"{q['total']} quarantined {q['by_reason'] or ''}; {meta['bytes_per_token']:.0f} bytes/token; "
                f"storage: {meta['storage_projection']}"]
+    if meta.get("eval"):
+        summary.append(f"held out (eval split): {meta['eval']['num_samples']} samples, "
+                       f"{meta['eval']['num_tokens']} tokens in {meta['eval']['num_shards']} shards")
     table = [
         {"metric": "target", "value": f"{meta['target_fingerprint']} ({meta['dtype']}, hidden {meta['hidden_size']})"},
         {"metric": "aux layers", "value": f"{meta['aux_layer_ids']} ({meta['layer_id_convention']}) + final"},
@@ -396,8 +407,9 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
                        table=tuple(table))
 
 
-def summarize(plan: DumpPlan, shards: list[ShardInfo]) -> dict:
-    """Manifest meta from the shard markers (so a resumed run counts shards it did not compute)."""
+def summarize(plan: DumpPlan, shards: list[ShardInfo], eval_shards: list[ShardInfo] = ()) -> dict:
+    """Manifest meta from the shard markers (so a resumed run counts shards it did not compute).
+    Counts describe the train split; `eval` the held-out split's shards."""
     tokens = sum(s.meta["tokens"] for s in shards)
     total_bytes = sum(s.size for s in shards)
     quarantined = [q for s in shards for q in s.meta["quarantined"]]
@@ -430,4 +442,8 @@ def summarize(plan: DumpPlan, shards: list[ShardInfo]) -> dict:
         "quarantined": {"total": len(quarantined),
                         "by_reason": dict(sorted(Counter(q["reason"] for q in quarantined).items())),
                         "samples": quarantined},
+        "eval": {"num_shards": len(eval_shards), "num_samples": sum(s.meta["samples"] for s in eval_shards),
+                 "num_tokens": sum(s.meta["tokens"] for s in eval_shards),
+                 "num_loss_tokens": sum(s.meta["loss_tokens"] for s in eval_shards),
+                 "quarantined": sum(len(s.meta["quarantined"]) for s in eval_shards)},
     }
