@@ -138,3 +138,22 @@ def iter_dump_samples(store: ObjectStore, manifest: Manifest | str, *, expect_au
             yield from shard
             del shard
             path.unlink()  # views already handed out stay valid: the mapping outlives the name
+
+
+# ---- train: the trained drafter in SGLang's layout, its metrics and curves
+
+TRAIN = "train"
+TRAINED_DRAFTER_FILES = ("drafter/config.json", "drafter/model.safetensors")
+TRAIN_METRICS, TRAIN_CURVES = "metrics.jsonl", "curves.png"
+
+
+def download_trained_drafter(store: ObjectStore, manifest_or_fingerprint: Manifest | str,
+                             directory: str | Path) -> Path:
+    """The committed drafter of a train output, verified, as a local SGLang-format directory
+    (`config.json` + `model.safetensors`, loadable with drafter.model.load_drafter)."""
+    out = StageOutput.committed(store, TRAIN, manifest_or_fingerprint)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in TRAINED_DRAFTER_FILES:
+        out.download_shard(name, directory)
+    return directory
