@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 # The two imports of the dump format (repoint here if the format module moves).
-from drafter.formats import DumpMismatch, check_dump_manifest
+from drafter.formats import DumpMismatch, check_dump_manifest, shards_of_split
 from drafter.shards import HiddenStateShard
 from drafter.layers import LAYER_ID_CONVENTION
 from drafter.stage_output import Manifest, StageOutput
@@ -44,6 +44,14 @@ class DumpSplit:
 
     manifest: Manifest | str
     shards: tuple[str, ...] | None = None
+
+
+def dump_splits(store: ObjectStore, dump: Manifest | str) -> tuple[DumpSplit, DumpSplit | None]:
+    """(train, eval or None) of one dump output: `hs-*` shards train, `eval-hs-*` shards evaluate."""
+    manifest = StageOutput.committed(store, DUMP_STAGE, dump).manifest
+    train = shards_of_split(manifest, "hs", "train")
+    held_out = shards_of_split(manifest, "hs", "eval")
+    return (DumpSplit(manifest, tuple(train)), DumpSplit(manifest, tuple(held_out)) if held_out else None)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from drafter.stage_output import Manifest, guarded_progress
 from drafter.store import ObjectStore
 from drafter.training import checkpoint as ckpt
 from drafter.training import distributed
-from drafter.training.data import Cursor, DumpExpectation, DumpReader, DumpSplit, Packer, count_vocab
+from drafter.training.data import Cursor, DumpExpectation, DumpReader, DumpSplit, Packer, count_vocab, dump_splits
 from drafter.training.errors import DrafterIncompatible, TrainingError
 from drafter.training.metrics import plot_png, summarize, to_jsonl
 from drafter.training.optim import MasterAdamW, clip_gradients, lr_factor
@@ -131,8 +131,6 @@ class _Sigterm:
             signal.signal(signal.SIGTERM, self._old)
 
 
-def _split(x: DumpSplit | Manifest | str) -> DumpSplit:
-    return x if isinstance(x, DumpSplit) else DumpSplit(x)
 
 
 def train_drafter(cfg: LifecycleConfig, store: ObjectStore, train_split: DumpSplit | Manifest | str, *,
@@ -141,8 +139,9 @@ def train_drafter(cfg: LifecycleConfig, store: ObjectStore, train_split: DumpSpl
                   progress: Callable[..., None] | None = None) -> TrainResult:
     """Train (or resume training) a drafter; returns where its outputs are.
 
-    train_split / eval_split: a committed dump output (manifest or fingerprint) or a DumpSplit
-    (output + shard names). run_fingerprint: the train stage's fingerprint; checkpoints live at
+    train_split: a committed dump output (manifest or fingerprint: its `hs-*` shards train, its
+    `eval-hs-*` shards evaluate unless eval_split is given) or a DumpSplit (output + shard names).
+    eval_split: another dump output (its eval-hs-* shards, else all) or a DumpSplit. run_fingerprint: the train stage's fingerprint; checkpoints live at
     `train-checkpoints/<run_fingerprint>.step-N/` and a later call with the same one resumes.
     target_fingerprint: checked against the dump manifest's (None: not checked).
     progress(done_steps, total_steps, info): info has loss, accept_length, tokens_per_s.
@@ -160,8 +159,13 @@ def train_drafter(cfg: LifecycleConfig, store: ObjectStore, train_split: DumpSpl
                              target_fingerprint=target_fingerprint)
     reader_kw = dict(max_length=tc.max_length, cache_shards=tc.cache_shards,
                      prefetch_shards=tc.prefetch_shards, cache_dir=tc.cache_dir)
-    train_reader = DumpReader(store, _split(train_split), expect, seed=tc.seed, **reader_kw)
-    eval_reader = (DumpReader(store, _split(eval_split), expect, shuffle=False, **reader_kw)
+    if not isinstance(train_split, DumpSplit):  # a whole dump output: its hs-* / eval-hs-* shards
+        train_split, held_out = dump_splits(store, train_split)
+        eval_split = held_out if eval_split is None else eval_split
+    if eval_split is not None and not isinstance(eval_split, DumpSplit):
+        eval_split = dump_splits(store, eval_split)[1] or DumpSplit(eval_split)
+    train_reader = DumpReader(store, train_split, expect, seed=tc.seed, **reader_kw)
+    eval_reader = (DumpReader(store, eval_split, expect, shuffle=False, **reader_kw)
                    if eval_split is not None else None)
     try:
         return _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run_fingerprint, out_dir,
