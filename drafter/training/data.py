@@ -113,7 +113,9 @@ class ShardCache:
 
     def _fetch(self, name: str) -> Future:
         with self._lock:
-            if name not in self._files:
+            if name in self._files:
+                self._files.move_to_end(name)  # least recently asked for goes first
+            else:
                 while len(self._files) >= self.capacity:  # evict the oldest (already read)
                     old, fut = self._files.popitem(last=False)
                     fut.add_done_callback(lambda f, n=old: (self.dir / n).unlink(missing_ok=True))
@@ -121,10 +123,12 @@ class ShardCache:
             return self._files[name]
 
     def open(self, name: str, upcoming: list[str]) -> HiddenStateShard:
-        fut = self._fetch(name)
+        # Open (memory-map) before prefetching: an eviction may unlink the file, the mapping stays.
+        shard = HiddenStateShard(self._fetch(name).result())
         for nxt in upcoming[:self.prefetch]:
-            self._fetch(nxt)
-        return HiddenStateShard(fut.result())
+            if nxt != name:
+                self._fetch(nxt)
+        return shard
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
