@@ -144,3 +144,13 @@ def test_accuracy_statistics_are_consistent():
         run *= a
         expect += run
     assert s["accept_length"] == pytest.approx(expect)
+
+
+def test_micro_batch_without_loss_gives_a_zero_loss_that_backward_accepts():
+    m, embed, head, mb = _tiny()
+    mb.loss_mask[:] = False
+    si = prepare(mb, embed, TargetHead(head, m.t2d, "cpu", torch.float64), 3, "cpu", torch.float64)
+    loss, stats = fast_ttt_loss(m, si, 0.8, 1.0)
+    loss.backward()
+    assert float(loss) == 0.0 and stats[:, 1:].sum() == 0
+    assert all(p.grad is None or not p.grad.any() for p in m.parameters())

@@ -149,6 +149,9 @@ def train_drafter(cfg: LifecycleConfig, store: ObjectStore, train_split: DumpSpl
     """
     tc = cfg.train
     d = distributed.init(tc.device)
+    if d.world > tc.micro_batches_per_step:
+        raise TrainingError(f"{d.world} processes but train.micro_batches_per_step = "
+                            f"{tc.micro_batches_per_step}: every process needs a micro-batch per step")
     if tc.threads:
         torch.set_num_threads(tc.threads)
     progress = guarded_progress(progress, "train") if d.is_main else None

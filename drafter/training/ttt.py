@@ -230,6 +230,8 @@ def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: floa
                 pred = logits.argmax(-1)
                 correct[k, where] = model.draft_to_target(pred) == si.target_id[k, where]
         prev_h = h
+    if not total.requires_grad:  # no loss position in this micro-batch: a zero that backward accepts
+        total = total + 0.0 * h_in.sum()
     return total, _stats(si, loss_sums, correct)
 
 
