@@ -17,7 +17,7 @@ from drafter.model import init_random_drafter, load_drafter
 from drafter.store import FileStore
 from drafter.training import checkpoint as ckpt
 from drafter.training.errors import DrafterIncompatible, DumpIncompatible
-from drafter.training.trainer import TrainingInterrupted, train_drafter
+from drafter.training.trainer import train_drafter
 from tests.test_training_support import AUX, TARGET_FP, make_cfg, make_dump, make_target
 
 REPO = Path(__file__).resolve().parents[1]
