@@ -109,6 +109,15 @@ def dump(config: Path = ConfigOpt,
     _run_stage("dump", _load(config, {"dump.devices": list(device) or None}), unit="shard")
 
 
+@app.command("train")
+def train(config: Path = ConfigOpt,
+          nproc_per_node: Optional[int] = typer.Option(None, help="processes (GPUs); >1 launches torchrun "
+                                                                  "(default: train.nproc_per_node)")) -> None:
+    """Train the EAGLE-3 drafter on the dumped hidden states (resumes from its last checkpoint)."""
+    cfg = _load(config, {"train.nproc_per_node": nproc_per_node})
+    _run_stage("train", cfg, unit="step", on_line=lambda line: typer.echo(line, err=True))
+
+
 @app.command("storage-estimate")
 def storage_estimate(tokens: float = typer.Option(..., help="corpus size in tokens, e.g. 87.8e6"),
                      hidden: int = typer.Option(..., help="target hidden size, e.g. 7168"),
@@ -184,5 +193,18 @@ def _progress_bar(desc: str, unit: str = "it") -> _Bar:
     return _Bar(desc, unit)
 
 
+def main() -> None:
+    """Console entry point: an expected failure (any DrafterError: bad input, a missing upstream
+    output, a corrupt shard, a server that would not start...) is its message on stderr and exit
+    code 1, never a traceback; anything else is a bug and keeps its traceback."""
+    from drafter.errors import DrafterError
+
+    try:
+        app()
+    except DrafterError as err:
+        typer.echo(f"error ({type(err).__name__}): {err}", err=True)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    app()
+    main()

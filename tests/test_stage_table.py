@@ -99,3 +99,26 @@ def test_a_new_stage_is_one_module_and_one_row(tmp_path, monkeypatch, tiny_targe
     assert first["prepare"]["status"] == "done" and first["count"]["status"] == "done"
     assert first["count"]["meta"] == {"conversations": 9, "prepare": prepared}
     assert again["count"]["status"] == "skipped" and "prepare" not in again
+
+
+def test_cli_runs_a_stage_from_the_table_and_names_a_missing_upstream(tmp_path, tiny_target):
+    """`drafter <stage>` resolves the upstream from the table; an expected failure is its message
+    and exit code 1, not a traceback."""
+    import subprocess
+    import sys
+
+    cfg = corpus_config(tmp_path)
+    profile = tmp_path / "p.yaml"
+    data = cfg.model_dump(mode="json")
+    data["target"] = {"path": str(tiny_target)}
+    data["dump"].update(aux_layer_ids=[0, 1, 2], devices=["cpu"], upstream="prepare")
+    profile.write_text(yaml.safe_dump(data))
+    run = lambda *args: subprocess.run([sys.executable, "-m", "drafter.cli", *args, "--config", str(profile)],
+                                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    missing = run("dump")
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert "error (ObjectNotFound): prepare is not committed" in missing.stderr
+    done = run("prepare")
+    assert done.returncode == 0, done.stderr
+    assert f"stage prepare: done file://{tmp_path}/store/prepare/" in done.stdout
+    assert "stage prepare: skipped (output already complete)" in run("prepare").stdout

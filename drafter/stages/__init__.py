@@ -46,6 +46,8 @@ STAGES: tuple[Stage, ...] = (
           starts_servers=True, retries=2),
     Stage("dump", "drafter.stages.dump", "capture the target's aux + final hidden states",
           upstream=lambda cfg: (cfg.dump.upstream,)),
+    Stage("train", "drafter.stages.train", "train the EAGLE-3 drafter on the hidden states",
+          upstream=("dump",)),
     Stage("serve", "drafter.stages.serve", "start the server, gate it on a real generation, read its "
                                            "settings back, stop it", starts_servers=True, retries=2),
 )

@@ -1,0 +1,71 @@
+"""The train stage of the table: a committed dump in, a committed drafter + metrics out; a re-run
+skips; `train.nproc_per_node: 2` launches torchrun itself (gloo on CPU) and commits the same layout."""
+import json
+
+import pytest
+
+from drafter.formats import TRAINED_DRAFTER_FILES, download_trained_drafter
+from drafter.model import load_drafter
+from drafter.stage_output import StageOutput
+from drafter.stages import TABLE, train
+from drafter.store import FileStore
+from drafter.target_identity import target_fingerprint
+from tests.test_training_support import make_cfg, make_dump, make_target
+
+
+@pytest.fixture
+def env(tmp_path):
+    target = make_target(tmp_path / "target")
+    store = FileStore(tmp_path / "store")
+    dump_fp = make_dump(store, tmp_path, target_fp=target_fingerprint(target))
+    return target, store, dump_fp, tmp_path
+
+
+def test_train_stage_commits_a_loadable_drafter_and_skips_on_rerun(env):
+    target, store, dump_fp, tmp = env
+    cfg = make_cfg(target, f"file://{tmp}/store", max_steps=6, epochs=4)
+    seen = []
+    result = train.run(cfg, store, upstream={"dump": dump_fp}, progress=lambda *a: seen.append(a))
+    assert result.status == "done" and result.fingerprint == TABLE.fingerprints(cfg, {"dump": dump_fp})["train"]
+    names = {s.name for s in result.manifest.shards}
+    assert set(TRAINED_DRAFTER_FILES) | {"metrics.jsonl", "curves.png"} == names
+    meta = result.manifest.meta
+    assert meta["dump_fingerprint"] == dump_fp and meta["steps"] == 6 and meta["aux_layer_ids"] == [0, 1, 2]
+    assert len(meta["final_eval"]["acc"]) == 3 and meta["final_eval"]["accept_length"] >= 1.0
+    assert any("simulated accept length" in line for line in result.summary) and seen
+    drafter = load_drafter(download_trained_drafter(store, result.fingerprint, tmp / "got"))
+    assert drafter.config.draft_vocab_size == 40
+    rows = StageOutput.committed(store, "train", result.fingerprint).read_jsonl("metrics.jsonl")
+    assert {r["split"] for r in rows} == {"train", "eval"}
+
+    again = train.run(cfg, store, upstream={"dump": dump_fp})
+    assert again.skipped and again.manifest == result.manifest
+
+
+def test_train_fingerprint_follows_what_changes_the_drafter(env):
+    target, store, dump_fp, tmp = env
+    cfg = make_cfg(target, f"file://{tmp}/store", max_steps=6)
+    fp = train.fingerprint(cfg, {"dump": dump_fp})
+    faster = make_cfg(target, f"file://{tmp}/store", max_steps=6, log_every_steps=3, cache_shards=4)
+    assert train.fingerprint(faster, {"dump": dump_fp}) == fp  # operational fields
+    assert train.fingerprint(make_cfg(target, f"file://{tmp}/store", max_steps=7), {"dump": dump_fp}) != fp
+    assert train.fingerprint(cfg, {"dump": "another0"}) != fp
+
+
+def test_missing_dump_is_named(env):
+    from drafter.store import ObjectNotFound
+
+    target, store, _, tmp = env
+    with pytest.raises(ObjectNotFound, match="dump is not committed"):
+        train.run(make_cfg(target, f"file://{tmp}/store", max_steps=2), store, upstream={"dump": "nope0000"})
+
+
+def test_two_processes_under_torchrun_launched_by_the_stage(env):
+    target, store, dump_fp, tmp = env
+    cfg = make_cfg(target, f"file://{tmp}/store", max_steps=4, nproc_per_node=2, parallel="ddp")
+    lines = []
+    result = train.run(cfg, store, upstream={"dump": dump_fp}, on_line=lines.append)
+    assert result.manifest.meta["world_size"] == 2 and result.manifest.meta["steps"] == 4
+    assert lines  # the ranks' output reached the caller (the Prefect run log)
+    assert json.loads(StageOutput.committed(store, "train", result.fingerprint)
+                      .read_shard("drafter/config.json"))["architectures"] == ["LlamaForCausalLMEagle3"]
