@@ -345,19 +345,39 @@ class ServeConfig(Strict):
 
 
 class BenchConfig(Strict):
+    """The bench sweep (drafter.bench): baseline + `speculative` settings x `batch_sizes`, measured
+    in `repeats` rounds interleaved across configurations, with confidence intervals."""
+
     speculative: list[SpeculativeConfig] = OutputField(
         default_factory=list, description="configs to sweep; the baseline (no speculation) is always added")
-    batch_sizes: list[int] = OutputField(default_factory=lambda: [1], min_length=1)
-    num_prompts: int = OutputField(32, ge=1)
-    max_tokens: int = OutputField(256, ge=1)
-    repeats: int = OutputField(3, ge=1)
+    batch_sizes: list[int] = OutputField(default_factory=lambda: [1], min_length=1,
+                                         description="client concurrency (requests in flight)")
+    num_prompts: int = OutputField(32, ge=1, description="held-out (eval split) prompts per round")
+    max_tokens: int = OutputField(256, ge=1, description="new tokens per request (fixed)")
+    ignore_eos: bool = OutputField(True, description="generate exactly max_tokens per request")
+    repeats: int = OutputField(3, ge=1, description="rounds per configuration (interleaved)")
     confidence: float = OutputField(0.95, gt=0, lt=1)
+    warmup_requests: int = OutputField(2, ge=0, description="requests before each measurement, discarded")
+    flush_cache: bool = OutputField(True, description="POST /flush_cache before each measurement where "
+                                                      "the engine has it")
+    interleave: Literal["auto", "concurrent", "relaunch"] = OutputField(
+        "auto", description="concurrent: every server alive at once on consecutive ports, one launch "
+                            "each, rounds round-robin; relaunch: one server at a time, a launch per "
+                            "(config, round); auto: concurrent for the reference engine on CPU and the "
+                            "command engine, relaunch otherwise (servers sharing GPUs fail preflight)")
+    bootstrap_samples: int = OutputField(5000, ge=100, description="paired-round bootstrap resamples")
+    seed: int = OutputField(0, description="bootstrap seed (deterministic intervals)")
+    drift_tolerance: float = OutputField(
+        0.05, gt=0, lt=1, description="first vs last baseline rounds differing by more = unstable machine")
+    request_timeout_s: float = OperationalField(600.0, gt=0, description="per-request timeout")
 
     @field_validator("batch_sizes")
     @classmethod
     def _positive(cls, v: list[int]) -> list[int]:
         if any(b < 1 for b in v):
             raise ValueError("batch sizes must be >= 1")
+        if len(set(v)) != len(v):
+            raise ValueError(f"batch sizes repeat: {v}")
         return v
 
 
@@ -426,6 +446,11 @@ def cross_field_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
         problem = aux_layer_id_problem(ids, layers)
         if problem is not None:
             problems.append(("dump.aux_layer_ids", problem))
+    if cfg.train.nproc_per_node > cfg.train.micro_batches_per_step:
+        problems.append(("train.nproc_per_node",
+                         f"{cfg.train.nproc_per_node} processes split each step's "
+                         f"{cfg.train.micro_batches_per_step} micro-batches: set train.micro_batches_per_step "
+                         f">= {cfg.train.nproc_per_node} (a multiple keeps the global batch per process equal)"))
     if vocab is not None and cfg.train.draft_vocab_size > vocab:
         problems.append(("train.draft_vocab_size",
                          f"{cfg.train.draft_vocab_size} exceeds the target vocab ({vocab})"))

@@ -156,3 +156,9 @@ def test_console_script_exit_codes(tmp_path):
     bad.write_text(yaml.safe_dump(base(serve={"speculative": {"num_steps": 1}})))
     failed = subprocess.run([str(drafter), "config", "validate", str(bad)], capture_output=True, text=True)
     assert failed.returncode == 1 and "serve.speculative" in failed.stderr
+
+
+def test_more_train_processes_than_micro_batches_is_refused():
+    with pytest.raises(ConfigError, match="train.nproc_per_node.*micro_batches_per_step >= 4"):
+        parse_config({"target": {"path": "/x", "num_hidden_layers": 8, "vocab_size": 100},
+                      "train": {"draft_vocab_size": 50, "nproc_per_node": 4, "micro_batches_per_step": 2}})
