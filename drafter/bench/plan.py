@@ -1,0 +1,182 @@
+"""What a bench sweep launches and measures, decided before anything starts.
+
+- The baseline (no speculation) is always the first server configuration.
+- Every `bench.speculative` entry is a server configuration; one that the engine cannot run
+  (SGLang's rules are enforced by SpeculativeConfig itself; engine-specific ones here and by a dry
+  `Engine.build_launch`, which starts nothing) is listed as skipped with the reason, and so is a
+  duplicate (it would be a second launch of the same server).
+- ONE server per distinct configuration (field note 8: restarts are the main cost of a sweep);
+  every batch size is measured on the same server.
+- Interleaving (field note 6): rounds go round-robin across configurations. With one server per
+  configuration that needs either every server alive at once (`concurrent`: one launch each,
+  consecutive ports, one measured at a time) or a launch per (configuration, round) (`relaunch`).
+  `auto` picks `concurrent` where servers share no GPU (reference engine on CPU, command engine),
+  `relaunch` otherwise: two servers on one GPU fail preflight's "GPUs in use" check and would
+  share memory and compute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from drafter.config import LifecycleConfig, SpeculativeConfig
+from drafter.serving.engines import _speculative_flags, make_engine
+from drafter.serving.errors import ServerConfigError
+
+BASELINE = "baseline"
+Interleave = Literal["concurrent", "relaunch"]
+
+# Engines with SGLang's /flush_cache (radix cache and the cumulative accept-length counters).
+FLUSH_CACHE = {"sglang": True, "reference": True, "vllm": False, "command": None}  # None: try it
+# Engines whose /generate answers carry SGLang's meta_info (completion_tokens, spec_verify_ct).
+SGLANG_API = {"sglang", "reference"}
+# Engines that stream tokens (TTFT and inter-token latency measurable).
+STREAMING = {"sglang": True, "vllm": True, "reference": False, "command": False}
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """One server configuration: the baseline (`speculative` None) or one speculative setting."""
+
+    key: str
+    speculative: SpeculativeConfig | None
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.speculative is None
+
+    @property
+    def label(self) -> str:
+        return describe(self.speculative)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    label: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"config": self.label, "reason": self.reason}
+
+
+@dataclass
+class SweepPlan:
+    engine: str
+    servers: list[ServerPlan]
+    batch_sizes: list[int]
+    rounds: int
+    interleave: Interleave
+    skipped: list[Skipped] = field(default_factory=list)
+
+    @property
+    def baseline(self) -> ServerPlan:
+        return self.servers[0]
+
+    def order(self, round_index: int) -> list[ServerPlan]:
+        """Round r visits the servers rotated by r (B S1 S2, S1 S2 B, S2 B S1, ...): every
+        configuration takes every position equally often, so slow drift hits all alike."""
+        n = len(self.servers)
+        k = round_index % n
+        return self.servers[k:] + self.servers[:k]
+
+    def to_dict(self) -> dict:
+        return {"engine": self.engine, "interleave": self.interleave, "rounds": self.rounds,
+                "batch_sizes": list(self.batch_sizes),
+                "servers": [{"key": s.key, "config": s.label,
+                             "speculative": s.speculative.model_dump(mode="json") if s.speculative else None}
+                            for s in self.servers],
+                "skipped": [s.to_dict() for s in self.skipped]}
+
+
+def server_key(spec: SpeculativeConfig | None) -> str:
+    """A stable name for shard paths: baseline, eagle3-auto, eagle3-s3-k1-d4."""
+    if spec is None:
+        return BASELINE
+    if not spec.is_set:
+        return f"{spec.algorithm.lower()}-auto"
+    return f"{spec.algorithm.lower()}-s{spec.num_steps}-k{spec.eagle_topk}-d{spec.num_draft_tokens}"
+
+
+def describe(spec: SpeculativeConfig | None) -> str:
+    if spec is None:
+        return "baseline (no speculation)"
+    if not spec.is_set:
+        return f"{spec.algorithm} (engine's default steps/topk/draft tokens)"
+    return f"{spec.algorithm} {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}"
+
+
+def resolve_interleave(cfg: LifecycleConfig) -> Interleave:
+    mode = cfg.bench.interleave
+    if mode != "auto":
+        return mode
+    s = cfg.serve
+    if s.engine == "command" or (s.engine == "reference" and s.device == "cpu"):
+        return "concurrent"
+    return "relaunch"
+
+
+def engine_problem(cfg: LifecycleConfig, spec: SpeculativeConfig, draft_path: str) -> str | None:
+    """Why the configured engine cannot run `spec`, or None. Rules beyond SGLang's own (which
+    SpeculativeConfig enforced already)."""
+    engine = cfg.serve.engine
+    if engine == "reference" and spec.is_set and spec.eagle_topk != 1:
+        return (f"the reference engine drafts a chain: eagle_topk must be 1, got {spec.eagle_topk} "
+                f"(its server would exit at start)")
+    try:  # a dry build of the command line: the engine's own refusals (vLLM has no topk > 1)
+        make_engine(engine).build_launch(server_config(cfg, ServerPlan(server_key(spec), spec), draft_path),
+                                         draft_path)
+    except ServerConfigError as err:
+        return err.message
+    return None
+
+
+def plan_sweep(cfg: LifecycleConfig, draft_path: str | None) -> SweepPlan:
+    """The baseline plus every runnable, distinct `bench.speculative` setting."""
+    servers = [ServerPlan(BASELINE, None)]
+    skipped: list[Skipped] = []
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(cfg.bench.speculative):
+        key, label = server_key(spec), f"bench.speculative.{i} ({describe(spec)})"
+        if key in seen:
+            skipped.append(Skipped(label, f"duplicate of bench.speculative.{seen[key]}: one server serves both"))
+            continue
+        if draft_path is None:
+            skipped.append(Skipped(label, "no drafter (no export and no serve.draft_path)"))
+            continue
+        problem = engine_problem(cfg, spec, draft_path)
+        if problem is not None:
+            skipped.append(Skipped(label, f"not valid for engine {cfg.serve.engine!r}: {problem}"))
+            continue
+        seen[key] = i
+        servers.append(ServerPlan(key, spec))
+    return SweepPlan(engine=cfg.serve.engine, servers=servers, batch_sizes=list(cfg.bench.batch_sizes),
+                     rounds=cfg.bench.repeats, interleave=resolve_interleave(cfg), skipped=skipped)
+
+
+def _with_port(url: str, old: int, new: int) -> str:
+    parts = urlsplit(url)
+    if parts.port != old:
+        return url
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return urlunsplit(parts._replace(netloc=f"{host}:{new}"))
+
+
+def server_config(cfg: LifecycleConfig, server: ServerPlan, draft_path: str | None,
+                  port: int | None = None) -> LifecycleConfig:
+    """The configuration one server of the sweep is launched with: `serve.speculative` and
+    `serve.draft_path` set for a speculative server (cleared for the baseline), on `port`.
+
+    Engine `command` has no placeholder for the speculative settings: SGLang's speculative flags
+    (`--speculative-algorithm ... --speculative-num-steps ...`, as the reference engine takes them)
+    are appended to `serve.command`, so the command must accept them."""
+    s = cfg.serve
+    update: dict = {"speculative": server.speculative, "draft_path": None if server.is_baseline else draft_path}
+    if port is not None and port != s.port:
+        update["port"] = port
+        if s.health_url:
+            update["health_url"] = _with_port(s.health_url, s.port, port)
+    if s.engine == "command" and not server.is_baseline:
+        update["command"] = list(s.command or []) + _speculative_flags(server.speculative, draft_path)
+    return cfg.model_copy(update={"serve": s.model_copy(update=update)})
