@@ -65,7 +65,7 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
         "target": {"path": str(tiny_target)},
         "data": {"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.1},
         "datagen": {"max_tokens": 12, "shard_size": 16},
-        "train": {"draft_vocab_size": 64},
+        "train": {"draft_vocab_size": 64, "max_steps": 6, "ttt_length": 3},
         "dump": {"aux_layer_ids": [0, 1, 2], "max_length": 64, "samples_per_shard": 8, "devices": ["cpu"]},
         "serve": {"engine": "reference", "device": "cpu", "port": free_port(), "log_dir": str(tmp_path / "logs"),
                   "extra_args": ["--cpu-threads", "1"],
@@ -91,6 +91,12 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
     assert dump_meta["aux_layer_ids"] == [0, 1, 2] and dump_meta["upstream"] == {"stage": "datagen", "fingerprint": generated[0].parent.name}
     assert dump_meta["num_samples"] + dump_meta["quarantined"]["total"] == gen_meta["generated"]
 
+    trained = list(store.glob("train/*/_SUCCESS.json"))
+    assert len(trained) == 1
+    train_meta = json.loads(trained[0].read_text())["meta"]
+    assert train_meta["dump_fingerprint"] == dumped[0].parent.name and train_meta["steps"] >= 1
+    assert train_meta["final_eval"] is not None  # the held-out split was dumped and evaluated
+
     run_deployment(prefect_env, profile)
     assert manifests[0].stat().st_mtime_ns == before  # nothing rewritten
     assert generated[0].stat().st_mtime_ns == gen_before
@@ -101,6 +107,8 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
     assert "datagen: skipped, output already complete" in logs
     assert logs.count("dump: wrote") == 1
     assert "dump: skipped, output already complete" in logs
+    assert logs.count("train: wrote") == 1
+    assert "train: skipped, output already complete" in logs
     # the serve stage started the reference engine, gated it on a generation, and tore it down
     assert logs.count("reference ready in") == 2
     assert re.search(r"\[server\] .*The server is fired up and ready to roll!", logs)
