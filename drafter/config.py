@@ -78,6 +78,7 @@ class DemoTargetConfig(Strict):
     eval_conversations: int = Field(200, ge=5)
     seed: int = 0
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores)")
+    device: str = Field("cpu", description="cpu, or cuda for the larger GPU preset (bf16 autocast)")
 
     @model_validator(mode="after")
     def _heads(self) -> "DemoTargetConfig":
@@ -239,6 +240,9 @@ class TrainConfig(Strict):
     weight_decay: float = OutputField(0.0, ge=0)
     adam_betas: tuple[float, float] = OutputField((0.9, 0.999))
     adam_eps: float = OutputField(1e-8, gt=0)
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = OutputField(
+        "float32", description="precision of the AdamW moments: float32 (exact AdamW, the default) or bfloat16 "
+                               "(half their memory, masters stay fp32; changes the numerics; not with fsdp)")
     batch_size: int = OutputField(1, ge=1, description="legacy alias, unused: the batch is a token budget")
     max_length: int = OutputField(2048, ge=8, description="samples are cut to this many tokens")
     tokens_per_micro_batch: int = OutputField(
@@ -272,10 +276,35 @@ class TrainConfig(Strict):
 
 
 class ExportConfig(Strict):
-    formats: list[Literal["sglang", "vllm"]] = OutputField(default_factory=lambda: ["sglang", "vllm"], min_length=1)
+    """Exporting the trained drafter (SGLang + vLLM speculators formats) and judging the exported
+    SGLang files offline: the reference engine's speculative decoder with the real target, greedy,
+    chain drafting (topk 1) on held-out (eval split) prompts."""
+
+    formats: list[Literal["sglang", "vllm"]] = OutputField(
+        default_factory=lambda: ["sglang", "vllm"], min_length=1,
+        description="sglang is always written (it is the judged artefact); vllm is converted from it")
     eval_prompts: int = OutputField(32, ge=1, description="held-out prompts for the offline accept length")
     min_accept_ratio: float = OutputField(
         0.7, gt=0, le=1, description="refuse an export whose offline accept length < ratio x predicted")
+    min_accept_length: float = OutputField(
+        1.2, ge=1, description="refuse an export whose offline accept length (bonus token included) is lower")
+    judge_num_steps: int = OutputField(
+        3, ge=1, description="draft steps per verify in the judgement (topk 1, so num_draft_tokens = steps + 1)")
+    judge_max_new_tokens: int = OutputField(128, ge=2, description="new tokens per judged prompt (greedy)")
+    judge_bucket_edges: list[int] = OutputField(
+        default_factory=lambda: [32, 64, 128, 256, 512],
+        description="accept length by output length: a verify falls in the bucket of the output "
+                    "tokens generated before it")
+    vllm_speculative_tokens: int = OutputField(
+        3, ge=1, description="speculators_config proposal_methods[0].speculative_tokens of the vLLM export")
+    device: str = OperationalField("auto", description="judge device: cpu, cuda, cuda:N or auto")
+
+    @field_validator("judge_bucket_edges")
+    @classmethod
+    def _increasing(cls, v: list[int]) -> list[int]:
+        if any(e <= 0 for e in v) or any(b <= a for a, b in zip(v, v[1:])):
+            raise ValueError(f"bucket edges must be positive and strictly increasing, got {v}")
+        return v
 
 
 class SpeculativeConfig(Strict):

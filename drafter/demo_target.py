@@ -12,6 +12,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only; never reach a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import contextlib
 import json
 import math
 import random
@@ -79,7 +80,9 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int):
 
 def config_fingerprint(cfg: DemoTargetConfig, data_identity: str) -> str:
     """Identity of what a build produces: the config (minus thread count), the data, the recipe."""
-    body = cfg.model_dump(mode="json", exclude={"threads"})
+    # Where it trains does not name what is built: `device` is excluded like the thread count
+    # only on CPU; a CUDA build (bf16 autocast) is another recipe, so it stays in the fingerprint.
+    body = cfg.model_dump(mode="json", exclude={"threads"} | ({"device"} if cfg.device == "cpu" else set()))
     blob = json.dumps({"config": body, "data": data_identity, "recipe": RECIPE_VERSION},
                       sort_keys=True)
     return short_hash(blob)
@@ -114,7 +117,7 @@ def _eval_loss(model, blocks: list[list[int]], batch_size: int) -> float:
     total = 0.0
     with torch.no_grad():
         for i in range(0, len(blocks), batch_size):
-            x = torch.tensor(blocks[i:i + batch_size])
+            x = torch.tensor(blocks[i:i + batch_size], device=model.device)
             total += model(input_ids=x, labels=x).loss.item() * len(x)
     model.train()
     return total / max(len(blocks), 1)
@@ -168,8 +171,12 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
             max_position_embeddings=cfg.max_position_embeddings, rope_theta=10000.0,
             tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=eot_id,
             pad_token_id=tokenizer.pad_token_id)
-        model = LlamaForCausalLM(model_cfg)
+        device = torch.device(cfg.device)
+        model = LlamaForCausalLM(model_cfg).to(device)
         model.train()
+        # bf16 autocast on a GPU (fp32 master weights); exact fp32 on the CPU, as before.
+        autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" \
+            else contextlib.nullcontext
         n_params = sum(p.numel() for p in model.parameters())
 
         eval_blocks = _first_blocks(tokenizer, eval_texts, cfg.seq_len, limit=64)
@@ -188,8 +195,9 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
             frac = step / cfg.max_steps if cfg.max_steps else elapsed / cfg.train_seconds
             for group in optim.param_groups:
                 group["lr"] = cfg.learning_rate * _lr_factor(frac)
-            x = torch.tensor([next(blocks) for _ in range(cfg.batch_size)])
-            loss = model(input_ids=x, labels=x).loss
+            x = torch.tensor([next(blocks) for _ in range(cfg.batch_size)], device=device)
+            with autocast():
+                loss = model(input_ids=x, labels=x).loss
             optim.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -200,6 +208,7 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
                 progress(step, cfg.max_steps, losses[-1])
         train_seconds = time.monotonic() - t_train
         eval_final = _eval_loss(model, eval_blocks, cfg.batch_size)
+        model.to("cpu")
     finally:
         torch.set_num_threads(threads_before)
 
