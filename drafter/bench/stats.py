@@ -73,7 +73,7 @@ def t_cdf(t: float, df: float) -> float:
 
 
 def t_quantile(p: float, df: float) -> float:
-    """Inverse Student t CDF by bisection (accurate to ~1e-10)."""
+    """Inverse Student t CDF by bisection (accurate to ~1e-7, plenty for an interval)."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"p must be in (0, 1), got {p}")
     lo, hi = -1e3, 1e3
@@ -209,3 +209,59 @@ def break_even_accept_length(cycle_time_s: float | None, baseline_step_time_s: f
     if not cycle_time_s or not baseline_step_time_s:
         return None
     return cycle_time_s / baseline_step_time_s
+
+
+# ---------------------------------------------------------------- a whole sweep
+
+def summarize(measurements: Sequence[dict], servers: Sequence[tuple[str, str]], batch_sizes: Sequence[int], *,
+              confidence: float, samples: int = 5000, seed: int = 0, drift_tolerance: float = 0.05,
+              baseline_key: str = "baseline") -> dict:
+    """Rows per (server configuration, batch size) from measurement records (dicts with `key`,
+    `batch_size`, `round`, `output_tok_s`, `latency_s`, `ttft_s`, `itl_s`, `accept_length`,
+    `draft_acceptance`, `step_time_s`, `cycle_time_s`), the baseline drift per batch size and the
+    recommendation per batch size. `servers`: (key, label) in plan order, baseline first."""
+    by: dict[tuple[str, int], dict[int, dict]] = {}
+    for m in measurements:
+        by.setdefault((m["key"], m["batch_size"]), {})[m["round"]] = m
+    rows, drift, recommend = [], {}, {}
+    for bs in batch_sizes:
+        base = by.get((baseline_key, bs), {})
+        base_tp = [base[r]["output_tok_s"] for r in sorted(base)]
+        d = baseline_drift(base_tp, drift_tolerance)
+        drift[bs] = d.to_dict()
+        base_step = mean_ci([base[r].get("step_time_s") for r in sorted(base)], confidence)
+        best = None
+        for key, label in servers:
+            rounds = by.get((key, bs), {})
+            if not rounds:
+                rows.append({"key": key, "config": label, "batch_size": bs, "rounds": 0})
+                continue
+            ms = [rounds[r] for r in sorted(rounds)]
+            row: dict = {"key": key, "config": label, "batch_size": bs, "rounds": len(ms)}
+            for field_name in ("output_tok_s", "latency_s", "ttft_s", "itl_s", "accept_length",
+                               "draft_acceptance", "cycle_time_s", "step_time_s"):
+                ci = mean_ci([m.get(field_name) for m in ms], confidence)
+                row[field_name] = ci.to_dict() if ci else None
+            if key != baseline_key:
+                paired = sorted(set(rounds) & set(base))
+                if paired:
+                    sp = paired_speedup([base[r]["output_tok_s"] for r in paired],
+                                        [rounds[r]["output_tok_s"] for r in paired], confidence, samples, seed)
+                    row["speedup"] = sp.to_dict()
+                    if sp.verdict == FASTER and (best is None or sp.speedup > best[1]):
+                        best = (key, sp.speedup, label)
+                else:
+                    row["speedup"] = None
+                cycle = row["cycle_time_s"]["mean"] if row["cycle_time_s"] else None
+                row["break_even_accept_length"] = break_even_accept_length(
+                    cycle, base_step.mean if base_step else None)
+            rows.append(row)
+        if d.unstable:
+            recommend[bs] = {"key": None, "text": (
+                f"no recommendation: the baseline moved {d.relative_change:+.1%} between its first and "
+                f"last rounds (tolerance {drift_tolerance:.0%}); the machine was not stable, re-run")}
+        elif best is not None:
+            recommend[bs] = {"key": best[0], "text": f"{best[2]} ({best[1]:.2f}x, significantly faster)"}
+        else:
+            recommend[bs] = {"key": None, "text": "keep the baseline: no configuration is significantly faster"}
+    return {"rows": rows, "drift": drift, "recommendation": recommend}

@@ -1,0 +1,184 @@
+"""The bench report: a markdown document, rows for a table artifact (plain dicts) and a PNG plot.
+
+How to read it: `speedup` is config / baseline output tokens/s over paired rounds with its
+interval; the verdict says "faster" or "slower" only when the whole interval is on one side of
+1.0. `break-even` is the accept length the configuration needs to match the baseline on this
+machine (its verify-cycle time over the baseline's per-token step time); compare it with the
+accept length it got. A configuration is recommended only when it is significantly faster and the
+baseline did not drift.
+"""
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+
+def _num(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+def _ci(entry: dict | None, fmt: str = "{:.1f}") -> str:
+    if not entry:
+        return "—"
+    mean, lo, hi = entry["mean"], entry["low"], entry["high"]
+    if lo is None:
+        return f"{fmt.format(mean)} (1 round)"
+    return f"{fmt.format(mean)} ± {fmt.format((hi - lo) / 2)}"
+
+
+def _speedup(sp: dict | None) -> str:
+    if not sp:
+        return "—"
+    if sp["low"] is None:
+        return f"{sp['speedup']:.2f}x (no interval: 1 round)"
+    return f"{sp['speedup']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}]"
+
+
+def table_rows(summary: dict, failures: dict[str, dict]) -> list[dict[str, Any]]:
+    """One plain dict per (configuration, batch size): the headline table."""
+    out = []
+    for row in summary["rows"]:
+        sp = row.get("speedup")
+        failed = failures.get(row["key"])
+        status = "baseline" if "speedup" not in row else (sp["verdict"] if sp else "no paired rounds")
+        if failed:
+            status = f"failed ({failed['kind']})" + (f" after {row['rounds']} rounds" if row["rounds"] else "")
+        out.append({
+            "config": row["config"], "batch": row["batch_size"], "rounds": row["rounds"],
+            "output tok/s": _ci(row.get("output_tok_s")),
+            "speedup [CI]": _speedup(sp) if "speedup" in row else "1.00x (reference)",
+            "verdict": status,
+            "accept length": _ci(row.get("accept_length"), "{:.2f}"),
+            "break-even accept": _num(row.get("break_even_accept_length"), "{:.2f}"),
+            "latency s": _ci(row.get("latency_s"), "{:.3f}"),
+            "TTFT s": _ci(row.get("ttft_s"), "{:.3f}"),
+            "ITL ms": _ci(_scaled(row.get("itl_s"), 1000.0), "{:.2f}"),
+        })
+    return out
+
+
+def _scaled(entry: dict | None, k: float) -> dict | None:
+    if not entry:
+        return None
+    return {**entry, **{f: (entry[f] * k if entry[f] is not None else None) for f in ("mean", "low", "high")}}
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    if not rows:
+        return "(no measurements)\n"
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def interleave_note(mode: str, servers: int, rounds: int) -> str:
+    if mode == "concurrent":
+        return (f"Interleaving: all {servers} servers were alive at once (one launch each, consecutive "
+                f"ports) and measured one at a time, rounds round-robin across configurations (round r "
+                f"starts at configuration r mod {servers}). Idle servers stay resident in memory while "
+                f"another is measured.")
+    return (f"Interleaving: one server at a time; every (configuration, round) got its own launch "
+            f"({servers} x {rounds} launches), in rotating order, because the servers cannot share "
+            f"the accelerator. Every measurement is on a fresh server after the warm-up requests.")
+
+
+def markdown(summary: dict, rows: Sequence[dict], *, plan: dict, failures: dict[str, dict],
+             launches: Sequence[dict], hardware: dict, settings: dict, notes: Sequence[str] = ()) -> str:
+    b = settings
+    parts = ["# Bench report", "",
+             f"Engine `{plan['engine']}`, {b['num_prompts']} held-out prompts, {b['max_tokens']} new tokens "
+             f"per request (ignore_eos={b['ignore_eos']}), temperature 0, {b['warmup_requests']} warm-up "
+             f"requests discarded per measurement, {plan['rounds']} rounds, confidence {b['confidence']:.0%}, "
+             f"concurrency = batch size.", "",
+             interleave_note(plan["interleave"], len(plan["servers"]), plan["rounds"]), ""]
+    parts += ["## Recommendation", ""]
+    for bs, rec in summary["recommendation"].items():
+        parts.append(f"- batch {bs}: {rec['text']}")
+    parts += ["", "## Results", "", markdown_table(rows)]
+    parts += ["Speedup: config / baseline output tokens/s over paired rounds; interval: paired-round "
+              "bootstrap widened to the paired t interval of the log ratios. Break-even accept: the "
+              "accept length needed to match the baseline (verify-cycle time / baseline step time).", ""]
+    parts += ["## Baseline drift", ""]
+    for bs, d in summary["drift"].items():
+        if d["relative_change"] is None:
+            parts.append(f"- batch {bs}: fewer than 2 baseline rounds, not checked")
+        else:
+            flag = "UNSTABLE machine" if d["unstable"] else "stable"
+            parts.append(f"- batch {bs}: first {d['first']:.1f} -> last {d['last']:.1f} tok/s "
+                         f"({d['relative_change']:+.1%}, tolerance {d['tolerance']:.0%}): {flag}")
+    if plan["skipped"] or failures:
+        parts += ["", "## Skipped and failed configurations", ""]
+        parts += [f"- skipped {s['config']}: {s['reason']}" for s in plan["skipped"]]
+        parts += [f"- failed {f['config']}: {f['kind']}: {f['message'].splitlines()[0] if f['message'] else ''}"
+                  for f in failures.values()]
+    parts += ["", "## What ran", ""]
+    for launch in launches:
+        s = launch.get("settings") or {}
+        spec = (f"{s.get('algorithm')} {s.get('num_steps')}/{s.get('eagle_topk')}/{s.get('num_draft_tokens')}"
+                if s.get("algorithm") else "no speculation")
+        parts.append(f"- {launch['config']} (launch {launch['launch']}): server reports {spec}; engine version "
+                     f"{launch.get('engine_version') or 'unknown'}; ready in {launch['seconds_to_ready']:.1f} s; "
+                     f"log `{launch['log_path']}`")
+    gpus = hardware.get("gpus")
+    parts += ["", f"Hardware: {hardware.get('cpu_model') or 'unknown CPU'} x {hardware.get('cpu_count')}, "
+                  f"{hardware.get('memory_gib', '?')} GiB; GPUs: {', '.join(gpus) if gpus else 'none seen'}; "
+                  f"{hardware.get('platform')}."]
+    parts += [f"- {n}" for n in notes]
+    return "\n".join(parts) + "\n"
+
+
+def plot_png(summary: dict, title: str = "bench") -> bytes:
+    """Throughput (mean with CI error bars) per configuration and batch size; accept length with
+    the break-even accept length marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in summary["rows"] if r.get("output_tok_s")]
+    configs = list(dict.fromkeys(r["config"] for r in summary["rows"]))
+    batches = sorted({r["batch_size"] for r in summary["rows"]})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(configs))
+    for i, config in enumerate(configs):
+        xs, ys, errs = [], [], [[], []]
+        for j, bs in enumerate(batches):
+            row = next((r for r in rows if r["config"] == config and r["batch_size"] == bs), None)
+            if row is None:
+                continue
+            tp = row["output_tok_s"]
+            xs.append(j + (i - (len(configs) - 1) / 2) * width)
+            ys.append(tp["mean"])
+            errs[0].append(tp["mean"] - tp["low"] if tp["low"] is not None else 0.0)
+            errs[1].append(tp["high"] - tp["mean"] if tp["high"] is not None else 0.0)
+        ax1.bar(xs, ys, width, yerr=errs, capsize=3, label=config)
+    ax1.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax1.set_ylabel("output tokens/s (mean, CI)")
+    ax1.set_title("throughput")
+    ax1.legend(fontsize=7)
+    spec_rows = [r for r in rows if r.get("accept_length")]
+    labels = [f"{r['config']}\nbatch {r['batch_size']}" for r in spec_rows]
+    for k, r in enumerate(spec_rows):
+        a = r["accept_length"]
+        err = [[a["mean"] - a["low"] if a["low"] is not None else 0.0],
+               [a["high"] - a["mean"] if a["high"] is not None else 0.0]]
+        ax2.bar([k], [a["mean"]], 0.6, yerr=err, capsize=3, color="tab:green",
+                label="accept length" if k == 0 else None)
+        if r.get("break_even_accept_length"):
+            ax2.hlines(r["break_even_accept_length"], k - 0.35, k + 0.35, colors="tab:red",
+                       label="break-even" if k == 0 else None)
+    ax2.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax2.set_ylabel("tokens per verify cycle")
+    ax2.set_title("accept length vs break-even")
+    if spec_rows:
+        ax2.legend(fontsize=7)
+    else:
+        ax2.text(0.5, 0.5, "no speculative measurements", ha="center", va="center", transform=ax2.transAxes)
+    fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()

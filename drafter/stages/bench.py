@@ -1,0 +1,196 @@
+"""The `bench` stage: baseline vs every `bench.speculative` setting x `bench.batch_sizes`, measured
+in interleaved rounds on servers started through ServerSession, reported with intervals.
+
+Upstream: `prepare` (the held-out eval split: the first `bench.num_prompts` conversations' first
+user turn, through the target's chat template when it has one) and `export` (its SGLang-format
+drafter, shards `sglang/config.json` + `sglang/model.safetensors`, downloaded into a directory
+named after the export fingerprint) unless `serve.draft_path` names a drafter directory.
+
+Output (`bench/<fingerprint>/`): one shard per measurement, launch and failure (see
+drafter.bench.sweep), then `report.md`, `report.json` and `report.png`, committed last. Measurements
+are not bitwise reproducible; the fingerprint names what the sweep IS (bench section, the serve
+settings that change the server, target, drafter identity, prompts), so a re-run resumes it and a
+changed sweep lands in a new output.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+from drafter.bench import BenchError
+from drafter.bench.plan import BASELINE, SweepPlan, plan_sweep
+from drafter.bench.report import markdown, plot_png, table_rows
+from drafter.bench.stats import summarize
+from drafter.bench.sweep import Sweep, hardware
+from drafter.config import LifecycleConfig, fingerprint_fields
+from drafter.formats import PREPARE, load_prepared
+from drafter.hashing import hash_file
+from drafter.stage_output import Progress, StageOutput, StageResult
+from drafter.stage_output import fingerprint as stage_fingerprint
+from drafter.store import ObjectNotFound, ObjectStore
+from drafter.target_identity import target_fingerprint, target_identity
+
+log = logging.getLogger(__name__)
+
+STAGE = "bench"
+EXPORT = "export"
+EXPORT_SHARDS = ("sglang/config.json", "sglang/model.safetensors")
+REPORT_SHARDS = ("report.md", "report.json", "report.png")
+# serve settings the bench sets per server itself, or that never change what a server does
+_SERVE_NOT_IDENTITY = {"speculative", "draft_path"}
+
+
+def _drafter_identity(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> dict | None:
+    if not cfg.bench.speculative:
+        return None  # a baseline-only sweep needs no drafter
+    if cfg.serve.draft_path:
+        try:
+            return {"draft_dir": target_fingerprint(cfg.serve.draft_path)}
+        except FileNotFoundError as err:
+            raise BenchError(f"serve.draft_path: {err}") from None
+    fp = upstream.get(EXPORT)
+    if not fp:
+        raise BenchError("bench.speculative is set but there is no drafter: no export upstream and no "
+                         "serve.draft_path")
+    return {"export": fp}
+
+
+def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
+    serve = {k: v for k, v in fingerprint_fields(cfg.serve).items() if k not in _SERVE_NOT_IDENTITY}
+    target = {"served_name": cfg.target.served_name, "dtype": cfg.target.dtype, **target_identity(cfg.target)}
+    return stage_fingerprint(STAGE, {"bench": fingerprint_fields(cfg.bench), "serve": serve, "target": target,
+                                     "drafter": _drafter_identity(cfg, upstream)}, [upstream[PREPARE]])
+
+
+def output(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> StageOutput:
+    return StageOutput(store, STAGE, fingerprint(cfg, upstream))
+
+
+def download_drafter(store: ObjectStore, export_fp: str, root: str | Path) -> Path:
+    """The export's SGLang-format drafter in `<root>/export-<fp>/` (config.json, model.safetensors);
+    files already there with the committed size and sha256 are kept."""
+    try:
+        out = StageOutput.committed(store, EXPORT, export_fp)
+    except ObjectNotFound as err:
+        raise BenchError(f"the export output {export_fp} is not committed: {err}") from None
+    target = Path(root) / f"export-{export_fp}"
+    target.mkdir(parents=True, exist_ok=True)
+    for name in EXPORT_SHARDS:
+        try:
+            info = out.manifest.shard(name)
+        except KeyError:
+            raise BenchError(f"the export output {out.uri} has no shard {name}") from None
+        dest = target / Path(name).name
+        if dest.is_file() and hash_file(dest) == (info.size, info.sha256):
+            continue
+        out.download_shard(name, dest)
+    return target
+
+
+def drafter_path(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> str | None:
+    if not cfg.bench.speculative:
+        return None
+    if cfg.serve.draft_path:
+        return cfg.serve.draft_path
+    identity = _drafter_identity(cfg, upstream)
+    root = Path(cfg.serve.log_dir).parent / "drafters"
+    return str(download_drafter(store, identity["export"], root).resolve())
+
+
+def build_prompts(cfg: LifecycleConfig, conversations: list[dict]) -> tuple[list, str]:
+    """(prompts, format): token ids through the target's chat template when it has one (what a
+    chat request sends), else the first user turn's text."""
+    firsts = []
+    for conv in conversations:
+        msgs = conv["messages"]
+        upto = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
+        if upto is not None:
+            firsts.append(msgs[:upto + 1])
+    tok = None
+    path = Path(cfg.target.path)
+    if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code)
+    if tok is not None and tok.chat_template:
+        ids = [tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False).input_ids for m in firsts]
+        return ids, "chat template token ids"
+    return [m[-1]["content"] for m in firsts], "first user turn, raw text (the target has no chat template)"
+
+
+def _settings(cfg: LifecycleConfig) -> dict:
+    return cfg.bench.model_dump(mode="json")
+
+
+def _result(out: StageOutput, report: dict, skipped: bool) -> StageResult:
+    rows = report["table"]
+    summary = [f"{r['config']} @ batch {r['batch']}: {r['output tok/s']} tok/s, {r['speedup [CI]']}, "
+               f"{r['verdict']}, accept {r['accept length']} (break-even {r['break-even accept']})" for r in rows]
+    summary += [f"batch {bs}: {rec['text']}" for bs, rec in report["summary"]["recommendation"].items()]
+    summary.append(f"report: {out.store.uri(out.key('report.md'))}")
+    return StageResult.committed(out.manifest, out.uri, skipped=skipped, summary=summary, table=rows)
+
+
+def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str],
+        progress: Progress | None = None, on_line=None, session_options: dict | None = None) -> StageResult:
+    """`session_options`: extra ServerSession arguments (tests: shorter poll intervals)."""
+    out = output(cfg, store, upstream)
+    if out.is_complete():
+        return _result(out, json.loads(out.read_shard("report.json")), skipped=True)
+    conversations = load_prepared(store, upstream[PREPARE], "eval")[:cfg.bench.num_prompts]
+    prompts, prompt_format = build_prompts(cfg, conversations)
+    if not prompts:
+        raise BenchError(f"the prepared eval split {upstream[PREPARE]} has no conversation with a user turn")
+    draft = drafter_path(cfg, store, upstream)
+    plan: SweepPlan = plan_sweep(cfg, draft)
+    log.info("bench: %d server configurations (%s), batch sizes %s, %d rounds, interleave %s; %d skipped",
+             len(plan.servers), ", ".join(s.label for s in plan.servers), plan.batch_sizes, plan.rounds,
+             plan.interleave, len(plan.skipped))
+    sweep = Sweep(cfg, out, plan, prompts, draft, on_line=on_line, progress=progress,
+                  session_options=session_options)
+    sweep.run()
+    outcome = sweep.outcome()
+    if BASELINE in outcome.failures:
+        f = outcome.failures[BASELINE]
+        retryable = f["kind"] in ("crashed", "stalled", "health_timeout", "crashed_while_measuring",
+                                  "measurement_failed")
+        raise BenchError(f"the baseline server failed ({f['kind']}): {f['message'].splitlines()[0]}; "
+                         f"nothing can be compared. Finished measurements stay committed in {out.uri}; "
+                         f"after fixing it, delete {out.store.uri(out.key('failed/baseline.json'))} and re-run",
+                         retryable=retryable)
+    servers = [(s.key, s.label) for s in plan.servers]
+    b = cfg.bench
+    summary = summarize(outcome.measurements, servers, plan.batch_sizes, confidence=b.confidence,
+                        samples=b.bootstrap_samples, seed=b.seed, drift_tolerance=b.drift_tolerance)
+    rows = table_rows(summary, outcome.failures)
+    hw = hardware()
+    notes = [f"prompts: {len(prompts)} ({prompt_format})"]
+    if cfg.serve.engine == "reference":
+        notes.append("the reference engine does not stream: TTFT and inter-token latency are not measured")
+    if cfg.serve.engine == "command":
+        notes.append("engine command: TTFT and inter-token latency are not measured (no known streaming API)")
+    plan_d = plan.to_dict()
+    md = markdown(summary, rows, plan=plan_d, failures=outcome.failures, launches=outcome.launches,
+                  hardware=hw, settings=_settings(cfg), notes=notes)
+    report = {"summary": summary, "table": rows, "plan": plan_d, "failures": outcome.failures,
+              "launches": outcome.launches, "hardware": hw, "settings": _settings(cfg), "notes": notes,
+              "drafter_path": draft, "measurements": len(outcome.measurements)}
+    out.write_shard("report.json", json.dumps(report, indent=1, sort_keys=True, default=str))
+    out.write_shard("report.md", md)
+    out.write_shard("report.png", plot_png(summary, f"bench {out.fingerprint}"))
+    verdicts = {f"{r['key']}@{r['batch_size']}": (r.get("speedup") or {}).get("verdict")
+                for r in summary["rows"] if r["key"] != BASELINE}
+    meta = {"engine": cfg.serve.engine, "interleave": plan.interleave, "rounds": plan.rounds,
+            "batch_sizes": plan.batch_sizes, "configs": [s.label for s in plan.servers],
+            "skipped": [s.to_dict() for s in plan.skipped],
+            "failed": {k: f["kind"] for k, f in outcome.failures.items()},
+            "measurements": len(outcome.measurements), "launches": len(outcome.launches),
+            "verdicts": verdicts, "recommendation": {str(k): v for k, v in summary["recommendation"].items()},
+            "drift_unstable": {str(k): d["unstable"] for k, d in summary["drift"].items()},
+            "engine_versions": sorted({str(x.get("engine_version")) for x in outcome.launches}),
+            "hardware": hw, "prompts": len(prompts), "report": "report.md"}
+    out.commit(meta=meta)
+    return _result(out, report, skipped=False)
