@@ -142,7 +142,7 @@ def test_report_renders_table_markdown_and_png():
                   settings={"num_prompts": 4, "max_tokens": 8, "ignore_eos": True, "warmup_requests": 1,
                             "confidence": 0.95})
     assert "| config | batch |" in md and "EAGLE3 3/1/4 (1.50x" in md and "failed X: crashed: boom" in md
-    assert "all 2 servers were alive at once" in md and "skipped bench.speculative.1: not valid" in md
+    assert "the 2 planned servers were launched once each" in md and "skipped bench.speculative.1: not valid" in md
     png = plot_png(s)
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])

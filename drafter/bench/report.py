@@ -75,8 +75,8 @@ def markdown_table(rows: Sequence[dict]) -> str:
 
 def interleave_note(mode: str, servers: int, rounds: int) -> str:
     if mode == "concurrent":
-        return (f"Interleaving: all {servers} servers were alive at once (one launch each, consecutive "
-                f"ports) and measured one at a time, rounds round-robin across configurations (round r "
+        return (f"Interleaving: the {servers} planned servers were launched once each and kept alive at "
+                f"once (consecutive ports; one that failed to start is left out), measured one at a time, rounds round-robin across configurations (round r "
                 f"starts at configuration r mod {servers}). Idle servers stay resident in memory while "
                 f"another is measured.")
     return (f"Interleaving: one server at a time; every (configuration, round) got its own launch "

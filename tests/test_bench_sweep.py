@@ -1,0 +1,284 @@
+"""The bench stage end to end against real servers on loopback: the fake server (command engine,
+tests/fixtures/fake_server.py --decode) through the real ServerSession, and a short sweep on the
+reference engine with the tiny successor target and its crafted drafter."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from drafter.config import parse_config
+from drafter.serving.launcher import reap
+from drafter.stage_output import StageOutput, to_jsonl
+from drafter.stages import bench
+from drafter.store import FileStore
+from tests.test_speculative import successor_pair  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = ROOT / "tests" / "fixtures" / "fake_server.py"
+PREPARE_FP = "0123456789abcdef"
+FAST = {"poll_s": 0.05, "grace_s": 3.0}
+S314 = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
+S213 = {"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3}
+S516 = {"num_steps": 5, "eagle_topk": 1, "num_draft_tokens": 6}
+
+
+def free_ports(n: int) -> int:
+    """A base port with base .. base+n-1 all free (concurrent servers use consecutive ports)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port range")
+
+
+def make_store(tmp_path: Path, n_eval: int = 6) -> FileStore:
+    store = FileStore(tmp_path / "store")
+    out = StageOutput(store, "prepare", PREPARE_FP)
+    rows = [{"id": f"e{i}", "messages": [{"role": "user", "content": f"Question {i}: tell me about {i}"},
+                                         {"role": "assistant", "content": "an answer"}]} for i in range(n_eval)]
+    out.write_shard("train.jsonl", to_jsonl([]))
+    out.write_shard("eval.jsonl", to_jsonl(rows))
+    out.write_shard("quarantine.jsonl", to_jsonl([]))
+    out.commit()
+    return store
+
+
+def make_drafter(tmp_path: Path) -> Path:
+    d = tmp_path / "drafter"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    (d / "model.safetensors").write_bytes(b"fake weights")
+    return d
+
+
+def fake_config(tmp_path: Path, speculative, *, fake_args=(), bench_extra=None, n_servers=4):
+    port = free_ports(n_servers)
+    bench_cfg = {"speculative": speculative, "batch_sizes": [1, 2], "num_prompts": 4, "max_tokens": 16,
+                 "repeats": 3, "warmup_requests": 1, **(bench_extra or {})}
+    return parse_config({
+        "target": {"path": str(tmp_path / "target"), "name": "fake-model", "num_hidden_layers": 32,
+                   "vocab_size": 64000},
+        "serve": {"engine": "command", "port": port, "log_dir": str(tmp_path / "logs"),
+                  "draft_path": str(make_drafter(tmp_path)),
+                  "command": [sys.executable, str(FAKE), "--port", "{port}", "--served-model-name",
+                              "{served_model_name}", "--step-s", "0.005", "--decode", *fake_args],
+                  "health_url": f"http://127.0.0.1:{port}/health",
+                  "stall_timeout_s": 10.0, "startup_timeout_s": 30.0},
+        "bench": bench_cfg,
+        "storage": {"root": f"file://{tmp_path / 'store'}"}})
+
+
+UPSTREAM = {"prepare": PREPARE_FP, "export": None}
+
+
+def _markers(store_root: Path, fp: str) -> dict[str, str]:
+    parts = store_root / "bench" / fp / "_parts"
+    out = {}
+    for p in parts.rglob("*.json"):
+        info = json.loads(p.read_text())
+        out[info["name"]] = info["sha256"]
+    return out
+
+
+def _no_servers_left(log_dir: Path) -> None:
+    assert not list(log_dir.glob("*.pid.json")), "a server was left running"
+
+
+# ----------------------------------------------------------------------------- fake servers
+
+def test_sweep_records_a_failed_config_and_keeps_the_others(tmp_path):
+    """Baseline, 3/1/4 (accept 3 -> a real speedup), 5/1/6 (fails to start), 2/1/3; a duplicate
+    is skipped. Every measurement of the healthy configs is committed and analysed."""
+    store = make_store(tmp_path)
+    cfg = fake_config(tmp_path, [S314, S516, S213, S314],
+                      fake_args=["--token-delay-s", "0.004", "--accept-length", "3", "--draft-cost", "0.1",
+                                 "--fail-if-num-steps", "5"],
+                      # 64 ms measurements on a shared machine jitter by several percent; the drift
+                      # check itself is tested in test_bench_units
+                      bench_extra={"drift_tolerance": 0.4})
+    assert cfg.bench.interleave == "auto"
+    seen = []
+    result = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST,
+                       progress=lambda done, total, *info: seen.append((done, total)))
+    assert result.status == "done"
+    meta = result.meta
+    assert meta["interleave"] == "concurrent" and meta["failed"] == {"eagle3-s5-k1-d6": "crashed"}
+    assert [s["config"] for s in meta["skipped"]] == ["bench.speculative.3 (EAGLE3 3/1/4)"]
+    assert meta["measurements"] == 3 * 2 * 3 and meta["launches"] == 3
+    assert seen[-1] == (18, 24)
+    out = StageOutput.committed(store, "bench", result.fingerprint)
+    names = {s.name for s in out.manifest.shards}
+    assert {"report.md", "report.json", "report.png", "failed/eagle3-s5-k1-d6.json"} <= names
+    assert not any(n.startswith("m/eagle3-s5") for n in names)
+    failure = json.loads(out.read_shard("failed/eagle3-s5-k1-d6.json"))
+    assert failure["kind"] == "crashed" and "OutOfMemoryError" in json.dumps(failure["detail"]["log_tail"])
+    report = json.loads(out.read_shard("report.json"))
+    rows = {(r["key"], r["batch_size"]): r for r in report["summary"]["rows"]}
+    fast = rows[("eagle3-s3-k1-d4", 1)]
+    assert fast["rounds"] == 3 and fast["speedup"]["verdict"] == "faster" and fast["speedup"]["low"] > 1.3
+    assert fast["accept_length"]["mean"] == pytest.approx(16 / 6)  # 16 tokens in 6 cycles of 3
+    # break-even = cycle time / baseline step time ~ 1.3 (draft cost 0.1 x 3 steps), plus HTTP overhead
+    assert 1.15 < fast["break_even_accept_length"] < 1.7
+    assert rows[(bench.BASELINE, 2)]["accept_length"] is None
+    # 2/1/3 accepts as much (3 tokens per cycle) with a cheaper cycle: the recommended one
+    s213 = rows[("eagle3-s2-k1-d3", 1)]["speedup"]
+    assert s213["verdict"] == "faster" and s213["speedup"] > fast["speedup"]["speedup"]
+    assert report["summary"]["recommendation"]["1"]["key"] == "eagle3-s2-k1-d3", report["summary"]["drift"]
+    # what the servers said they run, read back, and the saved launch environment
+    launches = {l["key"]: l for l in report["launches"]}
+    assert launches["eagle3-s3-k1-d4"]["settings"]["num_steps"] == 3
+    assert launches["eagle3-s3-k1-d4"]["engine_version"] == "fake"
+    assert launches[bench.BASELINE]["settings"]["algorithm"] is None
+    assert launches[bench.BASELINE]["launch_environment"]["argv"][1] == str(FAKE)
+    assert len({l["port"] for l in launches.values()}) == 3
+    md = out.read_shard("report.md").decode()
+    assert "failed EAGLE3 5/1/6: crashed" in md and "the 4 planned servers were launched once each" in md
+    assert "| EAGLE3 3/1/4 | 1 | 3 |" in md
+    assert result.table and result.summary[-1].startswith("report: file://")
+    # interleaved: within each round every live server was measured before the next round began
+    ms = sorted((json.loads(out.read_shard(n)) for n in names if n.startswith("m/")), key=lambda m: m["started_at"])
+    assert [m["round"] for m in ms] == sorted(m["round"] for m in ms)
+    assert [m["key"] for m in ms if m["round"] == 1][0] == "eagle3-s3-k1-d4"  # rotated start
+    _no_servers_left(tmp_path / "logs")
+    # a second run finds the output complete and launches nothing
+    logs = len(list((tmp_path / "logs").glob("*.log")))
+    assert logs == 4  # three servers and the failed start
+    again = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+    assert again.status == "skipped" and again.table == result.table
+    assert len(list((tmp_path / "logs").glob("*.log"))) == logs
+
+
+def test_relaunch_mode_starts_one_server_per_round_in_rotating_order(tmp_path):
+    store = make_store(tmp_path)
+    cfg = fake_config(tmp_path, [S314], fake_args=["--token-delay-s", "0.002"],
+                      bench_extra={"interleave": "relaunch", "repeats": 2, "batch_sizes": [2], "num_prompts": 2})
+    result = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+    report = json.loads(StageOutput.committed(store, "bench", result.fingerprint).read_shard("report.json"))
+    launches = sorted(report["launches"], key=lambda l: l["started_at"])
+    assert [l["key"] for l in launches] == [bench.BASELINE, "eagle3-s3-k1-d4", "eagle3-s3-k1-d4", bench.BASELINE]
+    assert {l["port"] for l in launches} == {cfg.serve.port}
+    assert result.meta["interleave"] == "relaunch" and result.meta["measurements"] == 4
+    assert "own launch" in StageOutput.committed(store, "bench", result.fingerprint).read_shard("report.md").decode()
+
+
+def test_baseline_that_fails_to_start_fails_the_stage_keeping_nothing_committed(tmp_path):
+    store = make_store(tmp_path)
+    cfg = fake_config(tmp_path, [S314], fake_args=["--crash-in", "kv_cache"], bench_extra={"repeats": 1})
+    with pytest.raises(bench.BenchError, match="baseline server failed \\(crashed\\)") as err:
+        bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+    assert err.value.retryable
+    assert not bench.output(cfg, store, UPSTREAM).is_complete()
+
+
+_CHILD = """
+import json, sys
+sys.path.insert(0, {root!r})
+from drafter.config import parse_config
+from drafter.stages import bench
+from drafter.store import FileStore
+from tests.test_speculative import successor_pair  # noqa: F401  (fixture)
+cfg = parse_config(json.load(open({cfg!r})))
+bench.run(cfg, FileStore({store!r}), upstream={upstream!r}, session_options={fast!r})
+"""
+
+
+def test_killed_sweep_resumes_without_repeating_finished_measurements(tmp_path):
+    store = make_store(tmp_path)
+    cfg = fake_config(tmp_path, [S314, S213], fake_args=["--token-delay-s", "0.008"])
+    fp = bench.fingerprint(cfg, UPSTREAM)
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps(cfg.model_dump(mode="json")))
+    script = _CHILD.format(root=str(ROOT), cfg=str(cfg_file), store=str(tmp_path / "store"),
+                           upstream=UPSTREAM, fast=FAST)
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            measured = [n for n in _markers(tmp_path / "store", fp) if n.startswith("m/")]
+            if len(measured) >= 5:
+                break
+            assert child.poll() is None, "the sweep ended before it could be killed"
+            assert time.monotonic() < deadline, "no measurements appeared"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    before = _markers(tmp_path / "store", fp)
+    finished = {n: sha for n, sha in before.items() if n.startswith("m/")}
+    assert 5 <= len(finished) < 18
+    # the killed driver left its servers running (own process groups): reap them from their pid
+    # files, as the flow's on_crashed hook does
+    pid_files = list((tmp_path / "logs").glob("*.pid.json"))
+    assert len(pid_files) == 3
+    for p in pid_files:
+        assert reap(p, grace_s=3.0)["reaped"]
+    result = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+    assert result.status == "done" and result.meta["measurements"] == 18
+    after = _markers(tmp_path / "store", fp)
+    for name, sha in finished.items():
+        assert after[name] == sha, f"{name} was measured again"
+    report = json.loads(StageOutput.committed(store, "bench", fp).read_shard("report.json"))
+    # six launches in all: three before the kill, three for what was left
+    assert len(report["launches"]) == 6 and sorted({l["launch"] for l in report["launches"]}) == [0, 1]
+    _no_servers_left(tmp_path / "logs")
+
+
+# ----------------------------------------------------------------------------- reference engine
+
+def test_reference_engine_sweep_with_the_crafted_drafter(tmp_path, successor_pair):
+    target, draft = successor_pair
+    store = make_store(tmp_path, n_eval=3)
+    port = free_ports(2)
+    cfg = parse_config({
+        "target": {"path": str(target), "name": "tiny"},
+        "train": {"draft_vocab_size": 256},
+        "serve": {"engine": "reference", "device": "cpu", "port": port, "log_dir": str(tmp_path / "logs"),
+                  "draft_path": str(draft), "startup_timeout_s": 120.0, "stall_timeout_s": 60.0},
+        "bench": {"speculative": [S314, {"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 4}],
+                  "batch_sizes": [1], "num_prompts": 2, "max_tokens": 24, "repeats": 2, "warmup_requests": 1},
+        "storage": {"root": f"file://{tmp_path / 'store'}"}})
+    result = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+    meta = result.meta
+    assert meta["interleave"] == "concurrent" and meta["failed"] == {} and meta["measurements"] == 4
+    assert "eagle_topk must be 1" in meta["skipped"][0]["reason"]
+    report = json.loads(StageOutput.committed(store, "bench", result.fingerprint).read_shard("report.json"))
+    rows = {r["key"]: r for r in report["summary"]["rows"]}
+    spec = rows["eagle3-s3-k1-d4"]
+    assert spec["accept_length"]["mean"] > 1.5  # the crafted drafter is accepted
+    assert spec["speedup"]["verdict"] in ("faster", "slower", "no measurable difference")
+    assert spec["break_even_accept_length"] > 0 and rows[bench.BASELINE]["accept_length"] is None
+    assert spec["ttft_s"] is None and "does not stream" in " ".join(report["notes"])
+    assert "chat template token ids" in report["notes"][0]
+    launches = {l["key"]: l for l in report["launches"]}
+    s = launches["eagle3-s3-k1-d4"]["settings"]
+    assert (s["num_steps"], s["eagle_topk"], s["num_draft_tokens"]) == (3, 1, 4)
+    assert s["draft_path"] == str(draft) and launches[bench.BASELINE]["settings"]["algorithm"] is None
+    assert launches[bench.BASELINE]["engine_version"]
+    for m in (json.loads(StageOutput.committed(store, "bench", result.fingerprint).read_shard(n))
+              for n in (x.name for x in StageOutput.committed(store, "bench", result.fingerprint).manifest.shards)
+              if n.startswith("m/")):
+        assert m["completion_tokens"] == 2 * 24 and m["flush_cache"] == "ok"
+    _no_servers_left(tmp_path / "logs")
