@@ -14,7 +14,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	# Keep that torch: the test extra (speculators) would otherwise replace it with another build.
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[test]"
+	# speculators pulls registry torchvision/torchaudio builds that break transformers' imports; nothing imports them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio
 	touch $@
 
 test: install

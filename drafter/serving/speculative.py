@@ -58,6 +58,9 @@ class GenerationResult:
     spec_verify_ct: int = 0             # target verify forwards
     accepted_drafts: int = 0            # drafts accepted, bonus tokens not included
     proposed_drafts: int = 0
+    # One (output tokens before this verify, drafts accepted) pair per verify: per-position and
+    # per-output-length acceptance (the export's offline judgement) are computed from these.
+    verifies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def completion_tokens(self) -> int:
@@ -236,6 +239,7 @@ class SpeculativeEngine:
             # 3. accept the agreeing prefix + the bonus token
             accepted, bonus = accept_drafts(verify.logits[0], drafts, draft_probs, params, gen)
             result.accepted_drafts += accepted
+            result.verifies.append((len(out.ids), accepted))
             new_tokens = drafts[:accepted] + [bonus]
             # 4. roll back the target cache past the first rejected draft
             crop_cache(tcache, cached + accepted + 1)

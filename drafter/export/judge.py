@@ -1,0 +1,155 @@
+"""Offline judgement of an export: the EXPORTED SGLang-format files loaded into the reference
+engine's speculative decoder (drafter.serving.speculative, the same code the reference server
+runs) with the real target, greedy, chain drafting (topk 1), on held-out prompts.
+
+Figures (all over verify steps, the bonus token included where it says accept length):
+- accept_length: 1 + accepted drafts / verifies: what training's simulated accept length predicts
+  (1 + sum_k prod_{j<=k} acc_j over the first `num_steps` positions);
+- sglang_accept_length: completion tokens / verifies (SGLang's meta_info figure; it also counts the
+  token from the prefill, so it is a little higher on short outputs);
+- per_position: accepted at draft position k / verifies (k = 0 .. num_steps-1), next to training's
+  prod_{j<=k} acc_j;
+- by_output_length: accept length of the verifies whose output had [lo, hi) tokens before them, so
+  a drop past the training length shows.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from drafter.export.sglang import PROVENANCE_KEY, ExportError
+
+
+class JudgedTooLow(ExportError):
+    """The exported drafter accepts too few tokens offline; the message names the threshold."""
+
+
+def predicted(acc: list[float], num_steps: int) -> dict[str, Any]:
+    """Training's prediction at `num_steps` from per-position accuracies (positions past the
+    trained TTT depth are not extrapolated: `positions_used` says how many were available)."""
+    run, accept, per_position = 1.0, 1.0, []
+    for a in acc[:num_steps]:
+        run *= float(a)
+        accept += run
+        per_position.append(run)
+    return {"accept_length": accept, "per_position": per_position, "positions_used": len(per_position)}
+
+
+def prompts_from_conversations(tokenizer, conversations: list[dict], limit: int, max_prompt_tokens: int
+                               ) -> tuple[list[list[int]], dict[str, int]]:
+    """Token ids of the first `limit` usable prompts: each conversation's messages up to its first
+    assistant turn, rendered with the target's chat template and a generation prompt."""
+    prompts, skipped = [], {"no_user_turn": 0, "too_long": 0}
+    for conv in conversations:
+        if len(prompts) >= limit:
+            break
+        messages = []
+        for m in conv.get("messages") or []:
+            if m.get("role") == "assistant":
+                break
+            messages.append({"role": m["role"], "content": m["content"]})
+        if not any(m["role"] == "user" for m in messages):
+            skipped["no_user_turn"] += 1
+            continue
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        ids = [int(i) for i in ids]
+        if len(ids) > max_prompt_tokens:
+            skipped["too_long"] += 1
+            continue
+        prompts.append(ids)
+    return prompts, skipped
+
+
+def _buckets(edges: list[int]) -> list[tuple[int, int | None]]:
+    lows = [0] + list(edges)
+    return [(lo, hi) for lo, hi in zip(lows, list(edges) + [None])]
+
+
+def judge_export(sglang_dir: str | Path, target, prompts: list[list[int]], *, num_steps: int,
+                 max_new_tokens: int, bucket_edges: list[int], prediction_acc: list[float] | None = None,
+                 on_prompt=None) -> dict[str, Any]:
+    """Generate from `prompts` with the exported drafter and measure acceptance.
+    `target`: a loaded drafter.target.HFTarget (its device and dtype are used)."""
+    import torch
+
+    from drafter.model import load_drafter
+    from drafter.serving.speculative import SamplingParams, SpeculativeEngine
+
+    drafter = load_drafter(sglang_dir, device=target.device, dtype=target.dtype)
+    # The reference engine captures features in our convention; the export records our ids next
+    # to the engine's (they differ only for targets where SGLang does not add 1 itself).
+    ours = (drafter.config.extra.get(PROVENANCE_KEY) or {}).get("aux_layer_ids")
+    if ours is not None:
+        drafter.config.aux_layer_ids = list(ours)
+    try:
+        engine = SpeculativeEngine(target, drafter, num_steps)
+    except ValueError as err:
+        raise ExportError(f"the export does not fit the target: {err} (a drafter trained for another target?)") \
+            from None
+    buckets = _buckets(bucket_edges)
+    b_verifies, b_accepted = [0] * len(buckets), [0] * len(buckets)
+    at_position = [0] * num_steps
+    verifies = accepted = completion = requests = 0
+    started = time.monotonic()
+    for i, prompt in enumerate(prompts):
+        res = engine.generate(prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+        requests += 1
+        completion += res.completion_tokens
+        for before, acc in res.verifies:
+            verifies += 1
+            accepted += acc
+            for k in range(acc):
+                at_position[k] += 1
+            b = next(j for j, (lo, hi) in enumerate(buckets) if hi is None or before < hi)
+            b_verifies[b] += 1
+            b_accepted[b] += acc
+        if on_prompt is not None:
+            on_prompt(i + 1, len(prompts))
+    seconds = time.monotonic() - started
+    if verifies == 0:
+        raise JudgedTooLow(f"no verify step in {requests} judged prompts (outputs of at most one token?): "
+                           "nothing was measured")
+    report: dict[str, Any] = {
+        "num_steps": num_steps, "eagle_topk": 1, "num_draft_tokens": num_steps + 1, "temperature": 0.0,
+        "max_new_tokens": max_new_tokens, "prompts": requests, "completion_tokens": completion,
+        "verifies": verifies, "accepted_drafts": accepted,
+        "accept_length": 1 + accepted / verifies,
+        "sglang_accept_length": completion / verifies,
+        "per_position": [c / verifies for c in at_position],
+        "by_output_length": [
+            {"output_tokens": f"[{lo}, {'inf' if hi is None else hi})", "verifies": v,
+             "accept_length": (1 + a / v) if v else None}
+            for (lo, hi), v, a in zip(buckets, b_verifies, b_accepted)],
+        "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
+        "seconds": round(seconds, 2), "torch": torch.__version__,
+    }
+    if prediction_acc:
+        report["predicted"] = predicted(prediction_acc, num_steps)
+    return report
+
+
+def check(report: dict[str, Any], min_accept_length: float, min_accept_ratio: float) -> dict[str, Any]:
+    """The verdict; raises JudgedTooLow naming the threshold missed (both, when both are)."""
+    got = report["accept_length"]
+    pred = (report.get("predicted") or {}).get("accept_length")
+    problems = []
+    if got < min_accept_length:
+        problems.append(f"offline accept length {got:.3f} < export.min_accept_length {min_accept_length}")
+    if pred is not None and got < min_accept_ratio * pred:
+        problems.append(f"offline accept length {got:.3f} < export.min_accept_ratio {min_accept_ratio} x training "
+                        f"prediction {pred:.3f} = {min_accept_ratio * pred:.3f}")
+    verdict = {"passed": not problems, "min_accept_length": min_accept_length, "min_accept_ratio": min_accept_ratio,
+               "ratio_to_prediction": (got / pred) if pred else None, "problems": problems}
+    if problems:
+        per_pos = ", ".join(f"{p:.3f}" for p in report["per_position"])
+        pred_pos = ", ".join(f"{p:.3f}" for p in (report.get("predicted") or {}).get("per_position", []))
+        raise JudgedTooLow(
+            "export judged too low: " + "; ".join(problems)
+            + f" (steps {report['num_steps']}, topk 1, {report['prompts']} held-out prompts, {report['verifies']} "
+              f"verifies; accepted at position k / verifies: [{per_pos}], training predicted [{pred_pos}]). "
+              "Usual causes: aux layer ids of another convention, a vocab map (d2t) that does not belong to "
+              "lm_head, a drafter trained for another target or on other hidden states")
+    return verdict

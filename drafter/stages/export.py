@@ -1,0 +1,224 @@
+"""The `export` stage: the train stage's drafter -> SGLang and vLLM (speculators) formats, judged
+offline before anything is committed.
+
+Upstream: {"train": fp, "prepare": fp}. `prepare` (the held-out prompts) may be left out: it is
+then found through the chain train -> dump -> (datagen ->) prepare; given, it must agree with it.
+
+Output (`export/<fingerprint>/`):
+    sglang/config.json, sglang/model.safetensors   LlamaForCausalLMEagle3, target embedding included
+    vllm/config.json,   vllm/model.safetensors     speculators eagle3 (with export.formats: vllm)
+    export.json                                     the export manifest (drafter.export.manifest)
+    judge.json                                      the offline judgement and its verdict
+Manifest meta: {"export": <export.json>, "judge": <judge.json>}.
+
+Refusals (ExportError and subclasses, never retried), each naming its cause: a drafter trained
+for another target or on other layers; any key / shape / value of the files read back that differs
+from what the engine loads or from the trained drafter; an offline accept length below
+`export.min_accept_length` or below `export.min_accept_ratio` x training's prediction.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from drafter.config import LifecycleConfig, fingerprint_fields
+from drafter.export.judge import check as judge_check
+from drafter.export.manifest import EXPORT_FORMAT_VERSION, export_manifest
+from drafter.export.sglang import ExportError, TargetInfo, check_sglang_export, require_good, write_sglang
+from drafter.formats import DATAGEN, DUMP, PREPARE, TRAIN, download_trained_drafter, load_prepared
+from drafter.layers import LAYER_ID_CONVENTION
+from drafter.model import CONFIG_FILE, WEIGHTS_FILE
+from drafter.stage_output import Progress, StageOutput, StageResult, guarded_progress
+from drafter.stage_output import fingerprint as stage_fingerprint
+from drafter.store import ObjectStore
+from drafter.target_identity import target_fingerprint, target_identity
+
+STAGE = "export"
+SGLANG_DIR, VLLM_DIR = "sglang", "vllm"
+EXPORT_JSON, JUDGE_JSON = "export.json", "judge.json"
+
+
+def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
+    """The export section's output fields, the target (content and local path: the vLLM config
+    names it as its verifier; dtype: the judge runs in it), the aux layer ids and the trained
+    drafter. The prepare output is implied by the train fingerprint (train -> dump -> prepare)."""
+    config = {"export": fingerprint_fields(cfg.export), "target": target_identity(cfg.target),
+              "target_path": str(Path(cfg.target.path).resolve()), "target_dtype": cfg.target.dtype,
+              "aux_layer_ids": cfg.aux_layer_ids(), "layer_id_convention": LAYER_ID_CONVENTION,
+              "export_format": EXPORT_FORMAT_VERSION}
+    return stage_fingerprint(STAGE, config, [upstream[TRAIN]])
+
+
+def _prepare_of_chain(store: ObjectStore, dump: StageOutput) -> str | None:
+    up = dump.manifest.meta.get("upstream") or {}
+    if up.get("stage") == PREPARE:
+        return up.get("fingerprint")
+    if up.get("stage") == DATAGEN and up.get("fingerprint"):
+        return StageOutput.committed(store, DATAGEN, up["fingerprint"]).manifest.meta.get("prepare_fingerprint")
+    return None
+
+
+def _inputs(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> dict:
+    """The committed train output, its dump and the prepare output, checked against this
+    configuration's target and layer ids before any work."""
+    train = StageOutput.committed(store, TRAIN, upstream[TRAIN])
+    meta = train.manifest.meta
+    dump_fp = meta.get("dump_fingerprint") or meta.get("train_dump")
+    if not dump_fp:
+        raise ExportError(f"train/{upstream[TRAIN]}: its manifest names no dump (dump_fingerprint)")
+    dump = StageOutput.committed(store, DUMP, dump_fp)
+    problems = []
+    want_target = target_fingerprint(cfg.target.path, cfg.target.revision)
+    got_target = dump.manifest.meta.get("target_fingerprint")
+    if got_target != want_target:
+        problems.append(f"the drafter was trained for another target: its hidden states ({DUMP}/{dump_fp}) come "
+                        f"from target {got_target}, this configuration's target {cfg.target.path} is {want_target}")
+    ours = cfg.aux_layer_ids()
+    for who, ids in (("train manifest", meta.get("aux_layer_ids")), (f"{DUMP}/{dump_fp}", dump.manifest.meta.get("aux_layer_ids"))):
+        if ids is not None and [int(i) for i in ids] != ours:
+            problems.append(f"aux layer ids: {who} has {list(ids)}, this configuration {ours} ({LAYER_ID_CONVENTION})")
+    conv = dump.manifest.meta.get("layer_id_convention")
+    if conv not in (None, LAYER_ID_CONVENTION):
+        problems.append(f"layer_id_convention: {DUMP}/{dump_fp} has {conv!r}, expected {LAYER_ID_CONVENTION!r}")
+    chain = _prepare_of_chain(store, dump)
+    given = upstream.get(PREPARE)
+    if given and chain and given != chain:
+        problems.append(f"upstream prepare {given} is not the corpus the dump {dump_fp} was made from ({chain})")
+    if problems:
+        raise ExportError(f"refusing to export train/{upstream[TRAIN]}:\n  " + "\n  ".join(problems))
+    prepare_fp = given or chain
+    if not prepare_fp:
+        raise ExportError(f"no held-out prompts for the judgement: pass upstream 'prepare' (the dump {dump_fp} "
+                          "does not name its corpus)")
+    return {"train": train, "dump_fp": dump_fp, "prepare_fp": prepare_fp, "target_fp": want_target}
+
+
+def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str],
+        progress: Progress | None = None, on_line=None) -> StageResult:
+    """Export, check the files read back, judge them offline, then commit; skip when complete."""
+    fp = fingerprint(cfg, upstream)
+    out = StageOutput(store, STAGE, fp)
+    if out.is_complete():
+        return _result(out, skipped=True)
+    progress = guarded_progress(progress, STAGE)
+    say = on_line or (lambda line: None)
+    inputs = _inputs(cfg, store, upstream)
+    train_meta = inputs["train"].manifest.meta
+    ours = cfg.aux_layer_ids()
+    target = TargetInfo.read(cfg.target.path)
+    with tempfile.TemporaryDirectory(prefix="drafter-export-") as work:
+        work = Path(work)
+        from drafter.model import load_drafter
+
+        source = load_drafter(download_trained_drafter(store, inputs["train"].manifest, work / "trained"))
+        problems = []
+        if source.config.vocab_size != target.vocab_size or source.config.target_hidden_size != target.hidden_size:
+            problems.append(f"the drafter was trained for another target: vocab_size={source.config.vocab_size}, "
+                            f"target_hidden_size={source.config.target_hidden_size}; target {cfg.target.path} has "
+                            f"vocab_size={target.vocab_size}, hidden_size={target.hidden_size}")
+        trained_ids = source.config.aux_layer_ids
+        if trained_ids is not None and list(trained_ids) != ours:
+            problems.append(f"the trained drafter's config has aux layer ids {trained_ids}, the configuration {ours}")
+        require_good(problems, f"train/{upstream[TRAIN]}")
+        sglang_dir, vllm_dir = work / SGLANG_DIR, work / VLLM_DIR
+        sglang = write_sglang(source, target, sglang_dir, ours)
+        require_good(check_sglang_export(sglang_dir, source, target, ours), "SGLang export (read back)")
+        say(f"export: SGLang files checked key by key (ids {sglang['eagle_aux_hidden_state_layer_ids']})")
+        vllm = None
+        if "vllm" in cfg.export.formats:
+            from drafter.export.vllm import check_vllm_export, write_vllm
+
+            vllm = write_vllm(sglang_dir, target, vllm_dir, ours, cfg.export.vllm_speculative_tokens)
+            require_good(check_vllm_export(vllm_dir, sglang_dir, target, ours), "vLLM export (read back)")
+            say(f"export: vLLM files checked (ids {vllm['eagle_aux_hidden_state_layer_ids']}, ours + 1)")
+        manifest = export_manifest(
+            target=target, target_fingerprint=inputs["target_fp"], train_fingerprint=upstream[TRAIN],
+            train_meta=train_meta, dump_fingerprint=inputs["dump_fp"], prepare_fingerprint=inputs["prepare_fp"],
+            our_aux_ids=ours, sglang=sglang, vllm=vllm, d2t=source.d2t, vocab_size=target.vocab_size)
+        judge = _judge(cfg, store, inputs["prepare_fp"], sglang_dir, train_meta, progress, say)
+        manifest["judge"] = {k: judge[k] for k in ("accept_length", "num_steps", "prompts")}
+        shards = [(f"{SGLANG_DIR}/{n}", sglang_dir / n) for n in (CONFIG_FILE, WEIGHTS_FILE)]
+        if vllm is not None:
+            shards += [(f"{VLLM_DIR}/{n}", vllm_dir / n) for n in (CONFIG_FILE, WEIGHTS_FILE)]
+        for name, path in shards:
+            out.write_shard(name, path)
+        out.write_shard(EXPORT_JSON, json.dumps(manifest, indent=2) + "\n")
+        out.write_shard(JUDGE_JSON, json.dumps(judge, indent=2) + "\n")
+    out.commit({"export": manifest, "judge": judge})
+    return _result(out, skipped=False)
+
+
+def _judge(cfg: LifecycleConfig, store: ObjectStore, prepare_fp: str, sglang_dir: Path, train_meta: dict,
+           progress: Progress | None, say) -> dict:
+    from drafter.export.judge import judge_export, prompts_from_conversations
+    from drafter.target import HFTarget
+
+    ec = cfg.export
+    target = HFTarget(cfg.target.path, device=ec.device, dtype=cfg.target.dtype,
+                      trust_remote_code=cfg.target.trust_remote_code)
+    conversations = load_prepared(store, prepare_fp, "eval")
+    prompts, skipped = prompts_from_conversations(target.tokenizer, conversations, ec.eval_prompts,
+                                                  target.max_position_embeddings - ec.judge_max_new_tokens)
+    if not prompts:
+        raise ExportError(f"no held-out prompt to judge with: {PREPARE}/{prepare_fp} eval split has "
+                          f"{len(conversations)} conversations, skipped {skipped}")
+    row = train_meta.get("final_eval") or train_meta.get("final_train") or {}
+    report = judge_export(sglang_dir, target, prompts, num_steps=ec.judge_num_steps,
+                          max_new_tokens=ec.judge_max_new_tokens, bucket_edges=ec.judge_bucket_edges,
+                          prediction_acc=row.get("acc"),
+                          on_prompt=(lambda done, total: progress(done, total, "prompts judged")) if progress else None)
+    report["prediction_split"] = "eval" if train_meta.get("final_eval") else ("train" if row else None)
+    report["train_max_length"] = cfg.train.max_length
+    report["skipped_prompts"] = skipped
+    report["verdict"] = judge_check(report, ec.min_accept_length, ec.min_accept_ratio)
+    say(f"export: offline accept length {report['accept_length']:.3f} "
+        f"(predicted {(report.get('predicted') or {}).get('accept_length', float('nan')):.3f})")
+    return report
+
+
+def _result(out: StageOutput, skipped: bool) -> StageResult:
+    meta = out.manifest.meta
+    judge, export = meta.get("judge") or {}, meta.get("export") or {}
+    pred = (judge.get("predicted") or {}).get("accept_length")
+    fmt = lambda values: "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
+    s = judge.get("num_steps")
+    summary = [
+        f"offline accept length {judge['accept_length']:.3f} at {s}/1/{s + 1} on {judge['prompts']} held-out prompts"
+        + (f" (training predicted {pred:.3f}, ratio {judge['accept_length'] / pred:.2f})" if pred else ""),
+        f"accepted at position k / verifies {fmt(judge['per_position'])}"
+        + (f", predicted {fmt(judge['predicted']['per_position'])}" if pred else ""),
+        "by output length: " + ", ".join(f"{b['output_tokens']} {b['accept_length']:.2f} ({b['verifies']})"
+                                         for b in judge["by_output_length"] if b["verifies"]),
+        f"layer ids {export['layer_ids']['trained']['ids']} (ours) -> SGLang "
+        f"{export['layer_ids']['sglang']['eagle_aux_hidden_state_layer_ids']}"
+        + (f", vLLM {export['layer_ids']['vllm']['eagle_aux_hidden_state_layer_ids']}" if "vllm" in export["layer_ids"]
+           else ""),
+    ]
+    table = [{"metric": "offline accept length", "value": f"{judge['accept_length']:.3f}"},
+             {"metric": "predicted accept length", "value": f"{pred:.3f}" if pred else "-"},
+             {"metric": "sglang accept length (completion / verifies)", "value": f"{judge['sglang_accept_length']:.3f}"},
+             {"metric": "per position", "value": fmt(judge["per_position"])},
+             {"metric": "draft vocab", "value": f"{export['draft_vocab']['size']} ({export['draft_vocab']['hash']})"},
+             {"metric": "target", "value": export["target"]["fingerprint"]},
+             {"metric": "dump", "value": export["dump_fingerprint"]}]
+    return StageResult.committed(out.manifest, out.uri, skipped, summary, table)
+
+
+def write_local(store: ObjectStore, export_fp: str, out_dir: str | Path) -> dict[str, Path]:
+    """A committed export as local directories a server loads (`drafter export --out DIR`):
+    DIR/sglang/, DIR/vllm/ (when exported), DIR/export.json, DIR/judge.json; every file verified."""
+    out = StageOutput.committed(store, STAGE, export_fp)
+    out_dir = Path(out_dir)
+    paths: dict[str, Path] = {}
+    for shard in out.manifest.shards:
+        path = out_dir / shard.name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out.download_shard(shard.name, path)
+    for name in (SGLANG_DIR, VLLM_DIR):
+        if (out_dir / name / CONFIG_FILE).is_file():
+            paths[name] = out_dir / name
+    paths["manifest"] = out_dir / EXPORT_JSON
+    paths["judge"] = out_dir / JUDGE_JSON
+    return paths
