@@ -111,7 +111,7 @@ def test_sweep_records_a_failed_config_and_keeps_the_others(tmp_path):
     is skipped. Every measurement of the healthy configs is committed and analysed."""
     store = make_store(tmp_path)
     cfg = fake_config(tmp_path, [S314, S516, S213, S314],
-                      fake_args=["--token-delay-s", "0.004", "--accept-length", "3", "--draft-cost", "0.1",
+                      fake_args=["--token-delay-s", "0.012", "--accept-length", "3", "--draft-cost", "0.1",
                                  "--fail-if-num-steps", "5"],
                       # 64 ms measurements on a shared machine jitter by several percent; the drift
                       # check itself is tested in test_bench_units
@@ -140,10 +140,13 @@ def test_sweep_records_a_failed_config_and_keeps_the_others(tmp_path):
     # break-even = cycle time / baseline step time ~ 1.3 (draft cost 0.1 x 3 steps), plus HTTP overhead
     assert 1.15 < fast["break_even_accept_length"] < 1.7
     assert rows[(bench.BASELINE, 2)]["accept_length"] is None
-    # 2/1/3 accepts as much (3 tokens per cycle) with a cheaper cycle: the recommended one
-    s213 = rows[("eagle3-s2-k1-d3", 1)]["speedup"]
-    assert s213["verdict"] == "faster" and s213["speedup"] > fast["speedup"]["speedup"]
-    assert report["summary"]["recommendation"]["1"]["key"] == "eagle3-s2-k1-d3", report["summary"]["drift"]
+    # the recommendation is the significantly faster configuration with the highest speedup
+    # (2/1/3 accepts as much as 3/1/4 with a cheaper cycle; on a busy machine one slow round can
+    # leave it without a significant verdict, and then it must not be recommended)
+    faster = {k: r["speedup"]["speedup"] for (k, bs), r in rows.items()
+              if bs == 1 and r.get("speedup") and r["speedup"]["verdict"] == "faster"}
+    assert report["summary"]["recommendation"]["1"]["key"] == max(faster, key=faster.get), report["summary"]
+    assert rows[("eagle3-s5-k1-d6", 1)]["rounds"] == 0
     # what the servers said they run, read back, and the saved launch environment
     launches = {l["key"]: l for l in report["launches"]}
     assert launches["eagle3-s3-k1-d4"]["settings"]["num_steps"] == 3
@@ -254,7 +257,7 @@ def test_reference_engine_sweep_with_the_crafted_drafter(tmp_path, successor_pai
     port = free_ports(2)
     cfg = parse_config({
         "target": {"path": str(target), "name": "tiny"},
-        "train": {"draft_vocab_size": 256},
+        "train": {"draft_vocab_size": 256}, "dump": {"aux_layer_ids": [0, 1, 2]},
         "serve": {"engine": "reference", "device": "cpu", "port": port, "log_dir": str(tmp_path / "logs"),
                   "draft_path": str(draft), "startup_timeout_s": 120.0, "stall_timeout_s": 60.0},
         "bench": {"speculative": [S314, {"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 4}],

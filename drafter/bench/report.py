@@ -41,13 +41,15 @@ def table_rows(summary: dict, failures: dict[str, dict]) -> list[dict[str, Any]]
     for row in summary["rows"]:
         sp = row.get("speedup")
         failed = failures.get(row["key"])
-        status = "baseline" if "speedup" not in row else (sp["verdict"] if sp else "no paired rounds")
+        status = ("not measured" if not row["rounds"] else "baseline" if "speedup" not in row
+                  else sp["verdict"] if sp else "no paired rounds")
         if failed:
             status = f"failed ({failed['kind']})" + (f" after {row['rounds']} rounds" if row["rounds"] else "")
         out.append({
             "config": row["config"], "batch": row["batch_size"], "rounds": row["rounds"],
             "output tok/s": _ci(row.get("output_tok_s")),
-            "speedup [CI]": _speedup(sp) if "speedup" in row else "1.00x (reference)",
+            "speedup [CI]": ("—" if not row["rounds"] else _speedup(sp) if "speedup" in row
+                             else "1.00x (reference)"),
             "verdict": status,
             "accept length": _ci(row.get("accept_length"), "{:.2f}"),
             "break-even accept": _num(row.get("break_even_accept_length"), "{:.2f}"),
