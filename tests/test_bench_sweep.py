@@ -285,3 +285,63 @@ def test_reference_engine_sweep_with_the_crafted_drafter(tmp_path, successor_pai
               if n.startswith("m/")):
         assert m["completion_tokens"] == 2 * 24 and m["flush_cache"] == "ok"
     _no_servers_left(tmp_path / "logs")
+
+
+def test_streaming_client_measures_ttft_and_inter_token_latency(tmp_path):
+    """SGLang /generate and OpenAI /v1/completions SSE streams (the paths sglang and vLLM use),
+    against a fake server started through the real ServerSession."""
+    from drafter.bench.measure import ClientApi, measure
+    from drafter.bench.plan import ServerPlan, server_config
+    from drafter.config import SpeculativeConfig
+    from drafter.serving.session import ServerSession
+
+    cfg = fake_config(tmp_path, [S314], fake_args=["--token-delay-s", "0.005", "--accept-length", "2"])
+    spec = server_config(cfg, ServerPlan("s", SpeculativeConfig(**S314)), cfg.serve.draft_path)
+    with ServerSession(spec, strict_settings=True, **FAST) as served:
+        for style in ("sglang", "openai"):
+            api = ClientApi(style, stream=True, flush_cache=True, served_model_name="fake-model")
+            m = measure(served.base_url, api, ["a", "b", "c"], batch_size=3, max_tokens=12, warmup_requests=1)
+            assert m["completion_tokens"] == 36 and m["flush_cache"] == "ok"
+            # 6 cycles of 2 tokens, 6.5 ms each: first chunk after one cycle, then 5 more for 11 tokens
+            assert 0.005 < m["ttft_s"] < m["latency_s"]
+            assert 0.0065 * 5 / 11 * 0.8 < m["itl_s"] < 0.05
+            if style == "sglang":
+                assert m["accept_length"] == pytest.approx(2.0) and m["verify_ct"] == 18
+            else:
+                assert m["accept_length"] is None  # OpenAI answers carry no speculative counters
+    _no_servers_left(tmp_path / "logs")
+
+
+def test_drafter_from_the_export_output_and_what_the_fingerprint_covers(tmp_path):
+    store = make_store(tmp_path)
+    export = StageOutput(store, "export", "feedfacefeedface")
+    export.write_shard("sglang/config.json", b'{"architectures": ["LlamaForCausalLMEagle3"]}')
+    export.write_shard("sglang/model.safetensors", b"weights")
+    export.commit()
+    got = bench.download_drafter(store, "feedfacefeedface", tmp_path / "drafters")
+    assert got.name == "export-feedfacefeedface"
+    assert sorted(p.name for p in got.iterdir()) == ["config.json", "model.safetensors"]
+    stamp = (got / "model.safetensors").stat().st_mtime_ns
+    assert bench.download_drafter(store, "feedfacefeedface", tmp_path / "drafters") == got
+    assert (got / "model.safetensors").stat().st_mtime_ns == stamp  # verified copy kept, not re-fetched
+    with pytest.raises(bench.BenchError, match="not committed"):
+        bench.download_drafter(store, "0000000000000000", tmp_path / "drafters")
+
+    cfg = fake_config(tmp_path, [S314])
+    no_dir = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft_path": None})})
+    up = {"prepare": PREPARE_FP, "export": "feedfacefeedface"}
+    fp = bench.fingerprint(no_dir, up)
+    assert bench.fingerprint(no_dir, {**up, "export": "1111111111111111"}) != fp
+    assert bench.fingerprint(no_dir, {**up, "prepare": "2222222222222222"}) != fp
+    # operational settings do not change what the sweep is; bench output fields do
+    moved = no_dir.model_copy(update={"serve": no_dir.serve.model_copy(update={"port": 1234}),
+                                      "bench": no_dir.bench.model_copy(update={"request_timeout_s": 5.0})})
+    assert bench.fingerprint(moved, up) == fp
+    more = no_dir.model_copy(update={"bench": no_dir.bench.model_copy(update={"repeats": 5})})
+    assert bench.fingerprint(more, up) != fp
+    # serve.draft_path set: its content is the identity, the export is not needed
+    with_dir = bench.fingerprint(cfg, {"prepare": PREPARE_FP})
+    (Path(cfg.serve.draft_path) / "model.safetensors").write_bytes(b"other weights")
+    assert bench.fingerprint(cfg, {"prepare": PREPARE_FP}) != with_dir
+    with pytest.raises(bench.BenchError, match="no drafter"):
+        bench.fingerprint(no_dir, {"prepare": PREPARE_FP})
