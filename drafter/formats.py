@@ -157,3 +157,36 @@ def download_trained_drafter(store: ObjectStore, manifest_or_fingerprint: Manife
     for name in TRAINED_DRAFTER_FILES:
         out.download_shard(name, directory)
     return directory
+
+
+# ---- export: the drafter in each engine's layout, checked, plus the export manifest and judgement
+
+EXPORT = "export"
+EXPORT_FORMATS = ("sglang", "vllm")
+
+
+def download_export(store: ObjectStore, manifest_or_fingerprint: Manifest | str, directory: str | Path,
+                    fmt: str = "sglang") -> Path:
+    """One format of a committed export (`<fmt>/...` shards), verified, as a local directory a
+    server loads (`--speculative-draft-model-path DIR`). Files already there with the committed
+    size and sha256 are kept (a reused directory costs one hash, not a download)."""
+    from drafter.hashing import hash_file
+
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"export format must be one of {EXPORT_FORMATS}, got {fmt!r}")
+    out = StageOutput.committed(store, EXPORT, manifest_or_fingerprint)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = [s.name for s in out.manifest.shards if s.name.startswith(f"{fmt}/")]
+    if not names:
+        raise ObjectNotFoundInOutput(f"{out.uri} holds no {fmt!r} export (formats: export.formats)")
+    for name in names:
+        dest = directory / Path(name).name
+        info = out.manifest.shard(name)
+        if not (dest.is_file() and hash_file(dest) == (info.size, info.sha256)):
+            out.download_shard(name, dest)
+    return directory
+
+
+class ObjectNotFoundInOutput(DrafterError):
+    """A committed output lacks what was asked of it (e.g. an export without the vLLM format)."""

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from drafter.store import ObjectNotFound
+
 from drafter.config import parse_config
 from drafter.serving.launcher import reap
 from drafter.stage_output import StageOutput, to_jsonl
@@ -324,7 +326,7 @@ def test_drafter_from_the_export_output_and_what_the_fingerprint_covers(tmp_path
     stamp = (got / "model.safetensors").stat().st_mtime_ns
     assert bench.download_drafter(store, "feedfacefeedface", tmp_path / "drafters") == got
     assert (got / "model.safetensors").stat().st_mtime_ns == stamp  # verified copy kept, not re-fetched
-    with pytest.raises(bench.BenchError, match="not committed"):
+    with pytest.raises(ObjectNotFound, match="export is not committed"):
         bench.download_drafter(store, "0000000000000000", tmp_path / "drafters")
 
     cfg = fake_config(tmp_path, [S314])

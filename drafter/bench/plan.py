@@ -21,7 +21,7 @@ from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from drafter.config import LifecycleConfig, SpeculativeConfig
-from drafter.serving.engines import _speculative_flags, make_engine
+from drafter.serving.engines import speculative_flags, make_engine
 from drafter.serving.errors import ServerConfigError
 
 BASELINE = "baseline"
@@ -178,5 +178,5 @@ def server_config(cfg: LifecycleConfig, server: ServerPlan, draft_path: str | No
         if s.health_url:
             update["health_url"] = _with_port(s.health_url, s.port, port)
     if s.engine == "command" and not server.is_baseline:
-        update["command"] = list(s.command or []) + _speculative_flags(server.speculative, draft_path)
+        update["command"] = list(s.command or []) + speculative_flags(server.speculative, draft_path)
     return cfg.model_copy(update={"serve": s.model_copy(update=update)})

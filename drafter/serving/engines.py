@@ -194,7 +194,7 @@ def _speculates(spec: SpeculativeConfig | None, draft_path: str | None) -> bool:
     return draft_path is not None
 
 
-def _speculative_flags(spec: SpeculativeConfig | None, draft_path: str | None) -> list[str]:
+def speculative_flags(spec: SpeculativeConfig | None, draft_path: str | None) -> list[str]:
     """SGLang-style flags. S/K/D come all three or not at all (SGLang asserts otherwise);
     SpeculativeConfig has already enforced that and SGLang's K=1 / S*K+1 rules."""
     if not _speculates(spec, draft_path):
@@ -312,7 +312,7 @@ class SGLangEngine(Engine):
             argv += ["--dtype", t.dtype]
         if t.trust_remote_code:
             argv.append("--trust-remote-code")
-        argv += _speculative_flags(s.speculative, draft_path)
+        argv += speculative_flags(s.speculative, draft_path)
         argv += _option_flags(s, SGLANG_OPTION_FLAGS)
         argv += list(s.extra_args)
         return self._host_port_spec(cfg, argv, draft_path, log_dir)
@@ -346,7 +346,7 @@ class ReferenceEngine(SGLangEngine):
         argv = [sys.executable, "-m", "drafter.serving.reference_server",
                 "--model-path", t.path, "--host", s.host, "--port", str(s.port),
                 "--served-model-name", t.served_name, "--device", s.device, "--dtype", t.dtype]
-        argv += _speculative_flags(s.speculative, draft_path)
+        argv += speculative_flags(s.speculative, draft_path)
         for fault in faults:  # test-only fault injection, e.g. "hang:load_weights"
             argv += ["--fault", fault]
         argv += list(s.extra_args)

@@ -25,18 +25,15 @@ from drafter.bench.report import markdown, plot_png, table_rows
 from drafter.bench.stats import summarize
 from drafter.bench.sweep import Sweep, hardware
 from drafter.config import LifecycleConfig, fingerprint_fields
-from drafter.formats import PREPARE, load_prepared
-from drafter.hashing import hash_file
+from drafter.formats import EXPORT, PREPARE, download_export, load_prepared
 from drafter.stage_output import Progress, StageOutput, StageResult
 from drafter.stage_output import fingerprint as stage_fingerprint
-from drafter.store import ObjectNotFound, ObjectStore
+from drafter.store import ObjectStore
 from drafter.target_identity import target_fingerprint, target_identity
 
 log = logging.getLogger(__name__)
 
 STAGE = "bench"
-EXPORT = "export"
-EXPORT_SHARDS = ("sglang/config.json", "sglang/model.safetensors")
 REPORT_SHARDS = ("report.md", "report.json", "report.png")
 # serve settings the bench sets per server itself, or that never change what a server does
 _SERVE_NOT_IDENTITY = {"speculative", "draft_path"}
@@ -69,24 +66,8 @@ def output(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]
 
 
 def download_drafter(store: ObjectStore, export_fp: str, root: str | Path) -> Path:
-    """The export's SGLang-format drafter in `<root>/export-<fp>/` (config.json, model.safetensors);
-    files already there with the committed size and sha256 are kept."""
-    try:
-        out = StageOutput.committed(store, EXPORT, export_fp)
-    except ObjectNotFound as err:
-        raise BenchError(f"the export output {export_fp} is not committed: {err}") from None
-    target = Path(root) / f"export-{export_fp}"
-    target.mkdir(parents=True, exist_ok=True)
-    for name in EXPORT_SHARDS:
-        try:
-            info = out.manifest.shard(name)
-        except KeyError:
-            raise BenchError(f"the export output {out.uri} has no shard {name}") from None
-        dest = target / Path(name).name
-        if dest.is_file() and hash_file(dest) == (info.size, info.sha256):
-            continue
-        out.download_shard(name, dest)
-    return target
+    """The export's SGLang-format drafter in `<root>/export-<fp>/` (kept between runs)."""
+    return download_export(store, export_fp, Path(root) / f"export-{export_fp}", "sglang")
 
 
 def drafter_path(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> str | None:

@@ -1,16 +1,21 @@
 """The `serve` stage: start the configured engine with the configured drafter, gate it on a real
 generation, read back the speculative settings it actually uses, and tear it down.
 
-It writes nothing to the store: its result is the server's report (settings read back, phases,
+The drafter: `serve.draft_path` when set; otherwise, when `serve.speculative` is set, this
+configuration's export (the stage table makes `export` its upstream then). With neither, the target is
+served alone. It writes nothing to the store: its result is the server's report (settings read back, phases,
 log and launch-environment paths). A failed start raises its typed ServerStartError (crashed,
 stalled and health-timeout starts are `retryable`; configuration errors are not), and settings
 the server rewrote fail the stage (field note 3).
 """
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Mapping
+from contextlib import ExitStack
 
 from drafter.config import LifecycleConfig
+from drafter.formats import EXPORT, download_export
 from drafter.serving.check import check_server
 from drafter.stage_output import Progress, StageResult
 from drafter.store import ObjectStore
@@ -26,7 +31,13 @@ def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> None:
 def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str] | None = None,
         progress: Progress | None = None, on_line=None) -> StageResult:
     """`on_line` receives every server log line (the Prefect task streams them into the run log)."""
-    report = check_server(cfg, draft_path=cfg.serve.draft_path, on_line=on_line, raise_on_failure=True)
+    with ExitStack() as stack:
+        draft = cfg.serve.draft_path
+        if draft is None and upstream and EXPORT in upstream:
+            local = stack.enter_context(tempfile.TemporaryDirectory(prefix="drafter-serve-"))
+            draft = str(download_export(store, upstream[EXPORT], local, "sglang"))
+        report = check_server(cfg, draft_path=draft, on_line=on_line, raise_on_failure=True)
+        report["draft_path"] = draft
     table = [{"metric": "base url", "value": str(report["base_url"])},
              {"metric": "log", "value": report["log_path"]},
              {"metric": "launch environment", "value": report["launch_path"]},
