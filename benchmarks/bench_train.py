@@ -1,7 +1,8 @@
 """Our EAGLE-3 training step beside SpecForge 0.2.0's, at the anchor's shapes, on one GPU.
 
 One optimizer step = teacher (restricted target head + full-vocab argmax in chunks, position
-mask), the fast TTT unroll, backward, clipping, AdamW on fp32 masters. Synthetic offline features
+mask), the fast TTT unroll, backward, clipping, AdamW on fp32 masters (moments fp32, or bf16 with
+--moments bfloat16). Synthetic offline features
 like ../shared/anchors/specforge_train_step.py: one 2048-token sequence per step, answer-like loss
 spans covering ~`--loss-fraction` of it, random ids and states; the target lm_head's non-draft rows
 are scaled by 0.5 so the teacher's full-vocab argmax lies in the draft vocab about as often as on
@@ -9,7 +10,8 @@ real chat data (the JSON reports the measured share). Prints one JSON line per r
 
   python benchmarks/bench_train.py --loss-fraction 0.6            # ours, Llama-3.1-8B shapes
   python benchmarks/bench_train.py --exactness                    # fast path == dense on this device
-  python benchmarks/bench_train.py --all --anchor PATH --out DIR  # anchor + ours + exactness, table
+  python benchmarks/bench_train.py --all --anchor PATH --out DIR  # anchor + ours (compiled; fp32 and
+                                                                  # bf16 moments) + exactness, table
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ def run_ours(a) -> dict:
     device, dtype = torch.device("cuda"), torch.bfloat16
     model, head, embed = build(a, device, dtype)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = MasterAdamW(params, lr=1e-4)
+    opt = MasterAdamW(params, lr=1e-4, state_dtype=getattr(torch, a.moments), compile=a.compile)
     gen = torch.Generator().manual_seed(a.seed)
     times, fracs = [], []
     for step in range(a.steps + 3):
@@ -109,7 +111,7 @@ def run_ours(a) -> dict:
             times.append(dt)
             fracs.append(float(si.pm[0].float().mean()))
     med = statistics.median(times)
-    return {"impl": "ours", "compile": a.compile, "attention": a.attention, "seq": a.seq, "ttt": a.ttt, "hidden": a.hidden, "vocab": a.vocab,
+    return {"impl": "ours", "compile": a.compile, "attention": a.attention, "moments": a.moments, "seq": a.seq, "ttt": a.ttt, "hidden": a.hidden, "vocab": a.vocab,
             "draft_vocab": a.draft_vocab, "loss_fraction": a.loss_fraction,
             "position_mask_fraction_step0": round(statistics.mean(fracs), 3),
             "trainable_params_M": round(sum(p.numel() for p in params) / 1e6, 1),
@@ -127,7 +129,7 @@ def profile(a) -> None:
     device, dtype = torch.device("cuda"), torch.bfloat16
     model, head, embed = build(a, device, dtype)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = MasterAdamW(params, lr=1e-4)
+    opt = MasterAdamW(params, lr=1e-4, state_dtype=getattr(torch, a.moments), compile=a.compile)
     gen = torch.Generator().manual_seed(a.seed)
 
     def step():
@@ -163,18 +165,22 @@ def exactness(a) -> dict:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     small = argparse.Namespace(**{**vars(a), "hidden": 128, "heads": 4, "kv_heads": 2, "vocab": 1000,
                                   "draft_vocab": 250, "seq": 96})
-    for dtype, attention in ((torch.float32, "math"), (torch.bfloat16, "flash" if device.type == "cuda" else "math")):
+    cases = [(torch.float32, "math", False), (torch.bfloat16, "flash" if device.type == "cuda" else "math", False)]
+    if device.type == "cuda" or a.compile:
+        cases.append((torch.bfloat16 if device.type == "cuda" else torch.float32,
+                      "flash" if device.type == "cuda" else "math", True))
+    for dtype, attention, comp in cases:
         model, head, embed = build(small, device, dtype)
         head_full = torch.cat([head.draft_rows, head.rest_rows])[torch.argsort(torch.cat([head.draft_ids, head.rest_ids]))]
         gen = torch.Generator().manual_seed(1)
         mb = batch(small, device, dtype, gen, lens=[230, 170, 199])
         si = prepare(mb, embed, head, small.ttt, device, dtype)
-        lf, _ = fast_ttt_loss(model, si, 0.8, float(si.T), attention=attention)
+        lf, _ = fast_ttt_loss(model, si, 0.8, float(si.T), attention=attention, compile=comp)
         gf = torch.autograd.grad(lf, list(model.parameters()))
         ld = dense_ttt_loss(model, mb, embed, head_full, model.t2d, small.ttt, 0.8, float(si.T))
         gd = torch.autograd.grad(ld, list(model.parameters()))
         rel = max(float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-12)) for x, y in zip(gf, gd))
-        key = f"{str(dtype).removeprefix('torch.')}_{attention}"
+        key = f"{str(dtype).removeprefix('torch.')}_{attention}" + ("_compile" if comp else "")
         tol_loss, tol_grad = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 5e-2)
         lf, ld = float(lf.detach()), float(ld.detach())
         out[key] = {"loss_fast": lf, "loss_dense": ld, "loss_rel_err": abs(lf - ld) / abs(ld),
@@ -193,11 +199,13 @@ def run_all(a) -> None:
     if a.anchor:
         jobs.append(("specforge", [sys.executable, a.anchor, "--loss-fraction", str(a.loss_fraction),
                                    "--steps", str(a.steps)]))
-    jobs.append(("ours", me + common))
+    if a.eager:
+        jobs.append(("ours", me + common))
     jobs.append(("ours-compile", me + common + ["--compile"]))
+    jobs.append(("ours-compile-bf16m", me + common + ["--compile", "--moments", "bfloat16"]))
     jobs.append(("exactness", me + ["--exactness"]))
     for name, cmd in jobs:
-        if name == "ours-compile" and "error" in results[-1]:  # flash failed: measure the math path
+        if name == "ours-compile" and a.eager and "error" in results[-1]:  # flash failed: measure math
             name, cmd = "ours-math", me + common + ["--attention", "math"]
         t0 = time.time()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.job_timeout)
@@ -209,11 +217,11 @@ def run_all(a) -> None:
         print(json.dumps(res), flush=True)
     (out / "bench_train.json").write_text(json.dumps(results, indent=2))
     sf = next((r for r in results if r["job"] == "specforge" and "tokens_per_s" in r), None)
-    print("\njob            tokens/s   step ms   peak GiB   vs specforge")
+    print("\njob                 tokens/s   step ms   peak GiB   vs specforge")
     for r in results:
         if "tokens_per_s" in r:
             ratio = f"{r['tokens_per_s'] / sf['tokens_per_s']:.2f}x" if sf else "-"
-            print(f"{r['job']:<14} {r['tokens_per_s']:>9.0f} {r['step_s_median'] * 1e3:>9.1f} "
+            print(f"{r['job']:<19} {r['tokens_per_s']:>9.0f} {r['step_s_median'] * 1e3:>9.1f} "
                   f"{r['peak_mem_GiB']:>10.2f}   {ratio}")
 
 
@@ -231,6 +239,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--attention", default="auto", help="auto (flash on CUDA) or math")
+    p.add_argument("--moments", default="float32", choices=["float32", "bfloat16"],
+                   help="AdamW moments (train.optimizer_state_dtype; bfloat16 is not the exact default)")
+    p.add_argument("--eager", action="store_true", help="--all also measures the eager step")
     p.add_argument("--exactness", action="store_true")
     p.add_argument("--all", action="store_true")
     p.add_argument("--profile", action="store_true")

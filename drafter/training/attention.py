@@ -76,9 +76,44 @@ def _aten_flash_bwd(g, q, k, v, out, lse, cu, max_len, scale, extra):
 FLASH_KERNELS = [_aten_flash_fwd, _aten_flash_bwd]
 
 
+def _merge_forward(q, o, lq, dk, dv, scale: float):
+    """Merge the step-0 flash output o / lse lq [Q, Hkv, g] with the diagonal keys' scores."""
+    kvh = dk.shape[2]
+    sd = torch.einsum("qhgd,nqhd->qhgn", _acc(_grouped(q, kvh)), _acc(dk)) * scale
+    m = torch.logsumexp(torch.cat([lq[..., None], sd], -1), -1)
+    o = o * torch.exp(lq - m)[..., None] + torch.einsum("qhgn,nqhd->qhgd", torch.exp(sd - m[..., None]), _acc(dv))
+    return o, m
+
+
+def _merge_backward(q, g, out, m, dq, dk, dv, scale: float):
+    """The diagonal columns' part of the merged softmax's backward, added to the kernel's dq."""
+    Q, H, d = q.shape
+    kvh = dk.shape[2]
+    qg, gq = _acc(_grouped(q, kvh)), _acc(_grouped(g, kvh))
+    out = _acc(_grouped(out, kvh))
+    w = torch.exp(torch.einsum("qhgd,nqhd->qhgn", qg, _acc(dk)) * scale - m[..., None])
+    ds = w * (torch.einsum("qhgd,nqhd->qhgn", gq, _acc(dv)) - (gq * out).sum(-1, keepdim=True))
+    dq = (_acc(dq) + torch.einsum("qhgn,nqhd->qhgd", ds, _acc(dk)).reshape(Q, H, d) * scale).to(q.dtype)
+    gdk = (torch.einsum("qhgn,qhgd->nqhd", ds, qg) * scale).to(dk.dtype)
+    gdv = torch.einsum("qhgn,qhgd->nqhd", w, gq).to(dv.dtype)
+    return dq, gdk, gdv
+
+
+_MERGE_COMPILED: list = []
+
+
+def _merge_fns(compile: bool):
+    if not compile:
+        return _merge_forward, _merge_backward
+    if not _MERGE_COMPILED:
+        _MERGE_COMPILED.extend([torch.compile(_merge_forward, dynamic=True),
+                                torch.compile(_merge_backward, dynamic=True)])
+    return _MERGE_COMPILED
+
+
 class _FlashTTT(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k0, v0, qidx, layout, scale, dk, dv):
+    def forward(ctx, q, k0, v0, qidx, layout, scale, dk, dv, compile=False):
         T, (Q, H, d), kvh = k0.shape[0], q.shape, k0.shape[1]
         fwd, _ = FLASH_KERNELS
         qf = q.new_zeros(T, H, d).index_copy_(0, qidx, q)
@@ -87,10 +122,7 @@ class _FlashTTT(torch.autograd.Function):
         lq = _acc(lse0[:, qidx].T.reshape(Q, kvh, H // kvh))               # [Q, Hkv, g]
         o = _acc(out0[qidx]).view(Q, kvh, H // kvh, d)
         if dk is not None:
-            sd = torch.einsum("qhgd,nqhd->qhgn", _acc(_grouped(q, kvh)), _acc(dk)) * scale
-            m = torch.logsumexp(torch.cat([lq[..., None], sd], -1), -1)
-            o = o * torch.exp(lq - m)[..., None] + torch.einsum("qhgn,nqhd->qhgd", torch.exp(sd - m[..., None]),
-                                                                _acc(dv))
+            o, m = _merge_fns(compile)[0](q, o, lq, dk, dv, scale)
         else:
             m = lq
         out = o.reshape(Q, H, d).to(q.dtype)
@@ -98,7 +130,7 @@ class _FlashTTT(torch.autograd.Function):
         out0.index_copy_(0, qidx, out)
         lse0.index_copy_(1, qidx, m.reshape(Q, H).T.contiguous())
         ctx.save_for_backward(q, k0, v0, qidx, out0, lse0, m, dk, dv)
-        ctx.layout, ctx.scale, ctx.extra = layout, scale, extra
+        ctx.layout, ctx.scale, ctx.extra, ctx.compile = layout, scale, extra, compile
         return out
 
     @staticmethod
@@ -114,26 +146,24 @@ class _FlashTTT(torch.autograd.Function):
         dq = dqf[qidx]
         gdk = gdv = None
         if dk is not None:
-            qg, gq = _acc(_grouped(q, kvh)), _acc(_grouped(g, kvh))
-            out = _acc(_grouped(out_full[qidx], kvh))
-            w = torch.exp(torch.einsum("qhgd,nqhd->qhgn", qg, _acc(dk)) * scale - m[..., None])
-            ds = w * (torch.einsum("qhgd,nqhd->qhgn", gq, _acc(dv)) - (gq * out).sum(-1, keepdim=True))
-            dq = (_acc(dq) + torch.einsum("qhgn,nqhd->qhgd", ds, _acc(dk)).reshape(Q, H, d) * scale).to(q.dtype)
-            gdk = (torch.einsum("qhgn,qhgd->nqhd", ds, qg) * scale).to(dk.dtype)
-            gdv = torch.einsum("qhgn,qhgd->nqhd", w, gq).to(dv.dtype)
-        return dq, dk0, dv0, None, None, None, gdk, gdv
+            dq, gdk, gdv = _merge_fns(ctx.compile)[1](q, g, out_full[qidx], m, dq, dk, dv, scale)
+        return dq, dk0, dv0, None, None, None, gdk, gdv, None
 
 
-def flash_attention(q, k0, v0, dk, dv, qidx, layout: DocLayout, scale: float) -> torch.Tensor:
+def flash_attention(q, k0, v0, dk, dv, qidx, layout: DocLayout, scale: float, compile: bool = False) -> torch.Tensor:
     c = lambda x: None if x is None else x.contiguous()
-    return _FlashTTT.apply(q.contiguous(), k0.contiguous(), v0.contiguous(), qidx, layout, scale, c(dk), c(dv))
+    return _FlashTTT.apply(q.contiguous(), k0.contiguous(), v0.contiguous(), qidx, layout, scale, c(dk), c(dv),
+                           compile)
 
 
-def ttt_attention(q, k0, v0, dk, dv, qidx, layout: DocLayout, scale: float, backend: str = "auto"):
+def ttt_attention(q, k0, v0, dk, dv, qidx, layout: DocLayout, scale: float, backend: str = "auto",
+                  compile: bool = False):
+    """`compile`: torch.compile the flash path's merge algebra (same math, fewer kernels)."""
     if backend == "auto":
         backend = "flash" if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else "math"
-    fn = flash_attention if backend == "flash" else math_attention
-    return fn(q, k0, v0, dk, dv, qidx, layout, scale)
+    if backend == "flash":
+        return flash_attention(q, k0, v0, dk, dv, qidx, layout, scale, compile)
+    return math_attention(q, k0, v0, dk, dv, qidx, layout, scale)
 
 
 # ---- a plain varlen causal "flash" pair (any device / dtype), for tests of the merge algebra

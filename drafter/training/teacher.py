@@ -192,3 +192,73 @@ def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Te
                        chunk: int = 2048, compile: bool = False) -> torch.Tensor:
     """float32 [n]: cross entropy of each logits row against teacher row probs[rows[i]]."""
     return _SoftCE.apply(logits, probs, rows, chunk, compile)
+
+
+# ---- the drafter's lm_head fused with the soft cross entropy, over the rows of every TTT step
+
+def _ce_rows_at(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return _ce_rows(logits, probs[rows])
+
+
+def _ce_grad_at(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _ce_grad(logits, probs[rows], w)
+
+
+_LCE_COMPILED: dict = {}
+
+
+def _lce_fns(compile: bool):
+    if not compile:
+        return _ce_rows_at, _ce_grad_at
+    if not _LCE_COMPILED:  # the teacher rows are gathered inside the kernel: no [rows, V] fp32 copy
+        _LCE_COMPILED["f"] = torch.compile(_ce_rows_at, dynamic=True)
+        _LCE_COMPILED["b"] = torch.compile(_ce_grad_at, dynamic=True)
+    return _LCE_COMPILED["f"], _LCE_COMPILED["b"]
+
+
+class _LinearSoftCE(torch.autograd.Function):
+    """loss = sum_i w_i * CE(probs[rows_i], x_i @ W.T), with the per-row CE and argmax.
+
+    The weights w are constants, so d loss / d logits is known in forward: each chunk of rows
+    computes its logits, CE, argmax, and (when a gradient is wanted) dx and dW at once; no logits
+    are kept for backward, which only scales dx and dW by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, probs, rows, w, chunk: int, compile: bool):
+        fwd, bwd = _lce_fns(compile)
+        n = x.shape[0]
+        ce = _acc(x.new_empty(n))
+        pred = torch.empty(n, dtype=torch.int64, device=x.device)
+        want = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        dx = torch.empty_like(x) if want else None
+        dw = None
+        for a in range(0, n, chunk):
+            xc = x[a:a + chunk]
+            logits = F.linear(xc, weight)
+            ce[a:a + chunk] = fwd(logits, probs, rows[a:a + chunk])
+            pred[a:a + chunk] = logits.argmax(-1)
+            if want:
+                g = bwd(logits, probs, rows[a:a + chunk], w[a:a + chunk])
+                del logits
+                dx[a:a + chunk] = g @ weight
+                gw = g.T @ xc
+                dw = gw if dw is None else dw.add_(gw)
+        loss = (ce * w.to(ce.dtype)).sum()
+        ctx.save_for_backward(dx, dw)
+        ctx.mark_non_differentiable(ce, pred)
+        return loss, ce, pred
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _grad_ce, _grad_pred):
+        dx, dw = ctx.saved_tensors
+        gx = None if dx is None or not ctx.needs_input_grad[0] else dx * grad_loss.to(dx.dtype)
+        gw = None if dw is None or not ctx.needs_input_grad[1] else dw * grad_loss.to(dw.dtype)
+        return gx, gw, None, None, None, None, None
+
+
+def linear_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
+                              w: torch.Tensor, chunk: int = 2048, compile: bool = False):
+    """(loss = sum_i w_i CE_i with grad, CE [n] float32, argmax [n]) of logits x @ weight.T
+    against teacher rows probs[rows]; never holds more than `chunk` rows of logits."""
+    return _LinearSoftCE.apply(x, weight, probs, rows, w, chunk, compile)

@@ -207,7 +207,10 @@ def _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run, out_d
     embed = embed.to(dtype)  # stays on the CPU: only the batch's rows travel
     del lm_head
     module = distributed.wrap(TTTModule(model), d, tc.parallel, dtype)
-    opt = MasterAdamW(list(model.parameters()), tc.learning_rate, tc.adam_betas, tc.adam_eps, tc.weight_decay)
+    if tc.optimizer_state_dtype != "float32" and tc.parallel == "fsdp" and d.active:
+        raise TrainingError("train.optimizer_state_dtype other than float32 is not supported with parallel: fsdp")
+    opt = MasterAdamW(list(model.parameters()), tc.learning_rate, tc.adam_betas, tc.adam_eps, tc.weight_decay,
+                      state_dtype=getattr(torch, tc.optimizer_state_dtype), compile=tc.compile)
 
     per_step = tc.tokens_per_micro_batch * tc.micro_batches_per_step
     total = tc.max_steps or max(1, -(-tc.epochs * train_reader.num_tokens // per_step))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from drafter.model import DraftKVCache, Eagle3Drafter, apply_rope, ttt_attention_mask
 from drafter.training.attention import DocLayout, ttt_attention
-from drafter.training.teacher import TargetHead, Teacher, reference_teacher, soft_cross_entropy
+from drafter.training.teacher import TargetHead, Teacher, linear_soft_cross_entropy, reference_teacher
 
 # Columns of the per-step statistics tensor [K, len(STATS)] (sums: add across batches / ranks).
 STATS = ("loss_sum", "loss_positions", "mask_positions", "correct", "chain_correct", "chain_total")
@@ -68,6 +68,8 @@ class StepInputs:
     idx: list[torch.Tensor] = None    # per k: sorted positions of A_k
     sel: list[torch.Tensor] = None    # per k >= 1: where A_k sits inside A_{k-1}
     hit: list[torch.Tensor] = None    # per k: rows of A_k that carry a loss
+    hit_k: torch.Tensor = None        # every loss row of every step, in step order: its step k
+    hit_at: torch.Tensor = None       # ... and its packed position t
 
 
 def doc_positions(doc_lens: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,21 +122,25 @@ def prepare(mb: MicroBatch, embed: torch.Tensor | None, head: TargetHead, K: int
     lens = torch.tensor([0] + list(mb.doc_lens), dtype=torch.int64)
     layout = DocLayout(doc=doc, cu_seqlens=torch.cumsum(lens, 0).to(device=device, dtype=torch.int32),
                        max_len=max(mb.doc_lens))
-    idx, sel, hit = _plan(pm.cpu(), active.cpu(), device)
+    idx, sel, hit, hit_k, hit_at = _plan(pm.cpu(), active.cpu(), device)
     return StepInputs(T=T, K=K, layout=layout, pos=pos, e_next=e_next.to(device=device, dtype=dtype),
                       aux=mb.aux.reshape(T, -1).to(device=device, dtype=dtype), teacher=teacher,
-                      rows=row_of[v], lm=lmk, pm=pm, active=active, target_id=tid[v], idx=idx, sel=sel, hit=hit)
+                      rows=row_of[v], lm=lmk, pm=pm, active=active, target_id=tid[v], idx=idx, sel=sel, hit=hit,
+                      hit_k=hit_k, hit_at=hit_at)
 
 
-def _plan(pm: torch.Tensor, active: torch.Tensor, device) -> tuple[list, list, list]:
+def _plan(pm: torch.Tensor, active: torch.Tensor, device) -> tuple:
     """Index lists of the unroll, built on the CPU and shipped in one copy."""
-    parts, idx_prev = [], None
+    parts, idx_prev, ks, ats = [], None, [], []
     for k in range(pm.shape[0]):
         idx = active[k].nonzero().flatten()
         sel = torch.searchsorted(idx_prev, idx) if k else torch.zeros(0, dtype=torch.int64)
         hit = pm[k, idx].nonzero().flatten()
         parts += [idx, sel, hit]
+        ks.append(torch.full((hit.numel(),), k, dtype=torch.int64))
+        ats.append(idx[hit])
         idx_prev = idx
+    parts += [torch.cat(ks), torch.cat(ats)]
     flat = torch.cat(parts)
     flat = flat.pin_memory() if torch.device(device).type == "cuda" else flat
     flat = flat.to(device, non_blocking=True)
@@ -142,7 +148,8 @@ def _plan(pm: torch.Tensor, active: torch.Tensor, device) -> tuple[list, list, l
     for part in parts:
         views.append(flat[a:a + part.numel()])
         a += part.numel()
-    return views[0::3], views[1::3], views[2::3]
+    steps = views[:-2]
+    return steps[0::3], steps[1::3], steps[2::3], views[-2], views[-1]
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -163,8 +170,31 @@ def _mlp_block(layer, h: torch.Tensor) -> torch.Tensor:
     return h + layer.mlp(_norm(layer.post_attention_layernorm, h))
 
 
-def _logits(model, h: torch.Tensor) -> torch.Tensor:
-    return model.lm_head(_norm(model.norm, h))
+def _first_step_inputs(layer, attn, e, h_in, pos, inv_freq, idx, heads: int, kvh: int, d: int):
+    """Step 0: keys / values at every position, queries at the active ones A_0."""
+    x = _attn_input(layer, e, h_in)
+    n = x.shape[0]
+    k0 = _rope(attn.k_proj(x).view(n, kvh, d), pos, inv_freq)
+    v0 = attn.v_proj(x).view(n, kvh, d)
+    q = _rope(attn.q_proj(x[idx]).view(-1, heads, d), pos[idx], inv_freq)
+    return q, k0, v0
+
+
+def _next_step_inputs(layer, attn, e, hid, positions, inv_freq, heads: int, kvh: int, d: int):
+    """Step k >= 1 at A_k: queries and the step's own (diagonal) keys / values."""
+    xq = _attn_input(layer, e, hid)
+    kk = _rope(attn.k_proj(xq).view(-1, kvh, d), positions, inv_freq)
+    vv = attn.v_proj(xq).view(-1, kvh, d)
+    q = _rope(attn.q_proj(xq).view(-1, heads, d), positions, inv_freq)
+    return q, kk, vv
+
+
+def _after_attention(layer, attn, hid, out):
+    return _mlp_block(layer, hid + attn.o_proj(out.reshape(out.shape[0], -1)))
+
+
+def _final_norm(model, h):
+    return _norm(model.norm, h)
 
 
 _COMPILED: dict = {}
@@ -181,57 +211,58 @@ def _fn(name: str, fn, compile: bool):
 
 def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: float,
                   attention: str = "auto", compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted loss, statistics [K, len(STATS)] float64) of one micro-batch."""
+    """(weighted loss, statistics [K, len(STATS)] float64) of one micro-batch.
+
+    The unroll runs the attention / MLP chain step by step; the drafter's lm_head and the loss of
+    every step's loss rows run afterwards in one chunked pass (`linear_soft_cross_entropy`)."""
     layer, attn = model.midlayer, model.midlayer.self_attn
     heads, kvh, d = attn.heads, attn.kv_heads, attn.head_dim
     scale = d ** -0.5
     dev = si.aux.device
     if attn.inv_freq.device != dev:
         attn.inv_freq = attn.inv_freq.to(dev)
-    attn_input = _fn("in", _attn_input, compile)
-    mlp_block = _fn("mlp", _mlp_block, compile)
-    logits_of = _fn("logits", _logits, compile)
-    rope = _fn("rope", _rope, compile)
+    first_inputs = _fn("first", _first_step_inputs, compile)
+    next_inputs = _fn("next", _next_step_inputs, compile)
+    after_attention = _fn("after", _after_attention, compile)
+    final_norm = _fn("norm", _final_norm, compile)
     acc_dtype = torch.float64 if si.aux.dtype == torch.float64 else torch.float32
-    total = torch.zeros((), dtype=acc_dtype, device=dev)
     loss_sums = torch.zeros(si.K, dtype=torch.float64, device=dev)
     correct = torch.zeros(si.K, si.T, dtype=torch.bool, device=dev)
 
     h_in = model.fc(si.aux)
-    x = attn_input(layer, si.e_next, h_in)
-    k0 = rope(attn.k_proj(x).view(si.T, kvh, d), si.pos, attn.inv_freq)
-    v0 = attn.v_proj(x).view(si.T, kvh, d)
-    prev_h = dk = dv = None
+    prev_h = dk = dv = k0 = v0 = None
+    hs = []
     for k in range(si.K):
         idx = si.idx[k]
         if idx.numel() == 0:
             break  # A_k shrinks with k: nothing carries a loss from here on
         if k == 0:
-            hid, xq = h_in[idx], x[idx]
+            hid = h_in[idx]
+            q, k0, v0 = first_inputs(layer, attn, si.e_next, h_in, si.pos, attn.inv_freq, idx, heads, kvh, d)
         else:
             sel = si.sel[k]
             hid = prev_h[sel]
-            xq = attn_input(layer, si.e_next[idx + k], hid)
-            kk = rope(attn.k_proj(xq).view(-1, kvh, d), si.pos[idx] + k, attn.inv_freq)
-            vv = attn.v_proj(xq).view(-1, kvh, d)
+            q, kk, vv = next_inputs(layer, attn, si.e_next[idx + k], hid, si.pos[idx] + k, attn.inv_freq,
+                                    heads, kvh, d)
             dk = kk[None] if dk is None else torch.cat([dk[:, sel], kk[None]])
             dv = vv[None] if dv is None else torch.cat([dv[:, sel], vv[None]])
-        q = rope(attn.q_proj(xq).view(-1, heads, d), si.pos[idx] + k, attn.inv_freq)
-        out = ttt_attention(q, k0, v0, dk, dv, idx, si.layout, scale, attention)
-        h = mlp_block(layer, hid + attn.o_proj(out.reshape(idx.numel(), heads * d)))
-        hit = si.hit[k]
-        if hit.numel():
-            logits = logits_of(model, h[hit])
-            where = idx[hit]
-            ce = soft_cross_entropy(logits, si.teacher.probs, si.rows[k, where], compile=compile)
-            total = total + ce.sum() * ((decay ** k) / norm)
-            with torch.no_grad():
-                loss_sums[k] = ce.detach().sum()
-                pred = logits.argmax(-1)
-                correct[k, where] = model.draft_to_target(pred) == si.target_id[k, where]
+        out = ttt_attention(q, k0, v0, dk, dv, idx, si.layout, scale, attention, compile)
+        h = after_attention(layer, attn, hid, out)
+        if si.hit[k].numel():
+            hs.append(h[si.hit[k]])
         prev_h = h
-    if not total.requires_grad:  # no loss position in this micro-batch: a zero that backward accepts
-        total = total + 0.0 * h_in.sum()
+    if not hs:  # no loss position in this micro-batch: a zero that backward accepts
+        total = torch.zeros((), dtype=acc_dtype, device=dev) + 0.0 * h_in.sum()
+        return total, _stats(si, loss_sums, correct)
+    n = sum(x.shape[0] for x in hs)
+    ks, at = si.hit_k[:n], si.hit_at[:n]
+    weights = torch.tensor([(decay ** k) / norm for k in range(si.K)], dtype=acc_dtype, device=dev)[ks]
+    hn = final_norm(model, torch.cat(hs) if len(hs) > 1 else hs[0])
+    total, ce, pred = linear_soft_cross_entropy(hn, model.lm_head.weight, si.teacher.probs, si.rows[ks, at],
+                                                weights, compile=compile)
+    with torch.no_grad():
+        loss_sums.index_add_(0, ks, ce.double())
+        correct[ks, at] = model.draft_to_target(pred) == si.target_id[ks, at]
     return total, _stats(si, loss_sums, correct)
 
 
