@@ -118,6 +118,27 @@ def train(config: Path = ConfigOpt,
     _run_stage("train", cfg, unit="step", on_line=lambda line: typer.echo(line, err=True))
 
 
+@app.command("export")
+def export(config: Path = ConfigOpt,
+           out: Optional[Path] = typer.Option(None, help="also write the export here, one folder per format, "
+                                                         "for a server to load")) -> None:
+    """Export the trained drafter (SGLang + vLLM formats), check it key by key, judge it offline."""
+    from drafter.stages.export import write_local
+    from drafter.store import open_store
+
+    cfg = _load(config)
+    result = _run_stage("export", cfg, unit="prompt")
+    if out is not None:
+        for fmt, path in write_local(open_store(cfg.storage), result.fingerprint, out).items():
+            typer.echo(f"{fmt}: {path}")
+
+
+@app.command("bench")
+def bench(config: Path = ConfigOpt) -> None:
+    """Sweep speculative settings against the baseline measured in the same run; print the table."""
+    _run_stage("bench", _load(config), unit="measurement", on_line=None)
+
+
 @app.command("storage-estimate")
 def storage_estimate(tokens: float = typer.Option(..., help="corpus size in tokens, e.g. 87.8e6"),
                      hidden: int = typer.Option(..., help="target hidden size, e.g. 7168"),
@@ -135,12 +156,16 @@ def serve(config: Path = ConfigOpt,
           draft: Optional[str] = typer.Option(None, help="drafter directory (overrides serve.draft_path)"),
           fault: list[str] = typer.Option([], hidden=True, help="reference engine fault injection (tests)"),
           quiet: bool = typer.Option(False, help="do not echo server log lines")) -> None:
-    """Run an inference server with validated speculative settings behind the readiness gate."""
+    """Run an inference server with validated speculative settings behind the readiness gate.
+    The drafter: --draft, else serve.draft_path, else this configuration's export."""
     from drafter.serving.check import check_server, serve_forever
+    from drafter.stages import TABLE
+    from drafter.stages.serve import draft_path as resolve_draft
+    from drafter.store import open_store
 
     cfg = _load(config, {"serve.draft_path": draft})
     on_line = None if quiet else (lambda line: typer.echo(line, err=True))
-    draft_path = cfg.serve.draft_path
+    draft_path = resolve_draft(cfg, open_store(cfg.storage), TABLE.fingerprints(cfg).upstream("serve"))
     if check:
         report = check_server(cfg, draft_path=draft_path, faults=tuple(fault), on_line=on_line)
         typer.echo(json.dumps(report, default=str))

@@ -320,16 +320,18 @@ def test_drafter_from_the_export_output_and_what_the_fingerprint_covers(tmp_path
     export.write_shard("sglang/config.json", b'{"architectures": ["LlamaForCausalLMEagle3"]}')
     export.write_shard("sglang/model.safetensors", b"weights")
     export.commit()
-    got = bench.download_drafter(store, "feedfacefeedface", tmp_path / "drafters")
-    assert got.name == "export-feedfacefeedface"
-    assert sorted(p.name for p in got.iterdir()) == ["config.json", "model.safetensors"]
-    stamp = (got / "model.safetensors").stat().st_mtime_ns
-    assert bench.download_drafter(store, "feedfacefeedface", tmp_path / "drafters") == got
-    assert (got / "model.safetensors").stat().st_mtime_ns == stamp  # verified copy kept, not re-fetched
-    with pytest.raises(ObjectNotFound, match="export is not committed"):
-        bench.download_drafter(store, "0000000000000000", tmp_path / "drafters")
+    from drafter.stages.serve import export_dir
 
     cfg = fake_config(tmp_path, [S314])
+    got = Path(export_dir(cfg, store, "feedfacefeedface"))
+    assert got.name == "export-feedfacefeedface" and got.parent == (Path(cfg.serve.log_dir).parent / "drafters").resolve()
+    assert sorted(p.name for p in got.iterdir()) == ["config.json", "model.safetensors"]
+    stamp = (got / "model.safetensors").stat().st_mtime_ns
+    assert Path(export_dir(cfg, store, "feedfacefeedface")) == got
+    assert (got / "model.safetensors").stat().st_mtime_ns == stamp  # verified copy kept, not re-fetched
+    with pytest.raises(ObjectNotFound, match="export is not committed"):
+        export_dir(cfg, store, "0000000000000000")
+
     no_dir = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft_path": None})})
     up = {"prepare": PREPARE_FP, "export": "feedfacefeedface"}
     fp = bench.fingerprint(no_dir, up)

@@ -48,8 +48,16 @@ STAGES: tuple[Stage, ...] = (
           upstream=lambda cfg: (cfg.dump.upstream,)),
     Stage("train", "drafter.stages.train", "train the EAGLE-3 drafter on the hidden states",
           upstream=("dump",)),
+    Stage("export", "drafter.stages.export", "write the SGLang and vLLM formats, check them, judge the "
+                                             "accept length offline", upstream=("train", "prepare")),
+    # This run's export, unless the profile names a drafter directory or serves the target alone.
     Stage("serve", "drafter.stages.serve", "start the server, gate it on a real generation, read its "
-                                           "settings back, stop it", starts_servers=True, retries=2),
+                                           "settings back, stop it", starts_servers=True, retries=2,
+          upstream=lambda cfg: ("export",) if cfg.serve.speculative is not None and not cfg.serve.draft_path else ()),
+    Stage("bench", "drafter.stages.bench", "sweep speculative settings against the baseline, interleaved, "
+                                           "with confidence intervals", starts_servers=True, retries=2,
+          upstream=lambda cfg: ("prepare", "export") if cfg.bench.speculative and not cfg.serve.draft_path
+          else ("prepare",)),
 )
 
 

@@ -25,7 +25,8 @@ from drafter.bench.report import markdown, plot_png, table_rows
 from drafter.bench.stats import summarize
 from drafter.bench.sweep import Sweep, hardware
 from drafter.config import LifecycleConfig, fingerprint_fields
-from drafter.formats import EXPORT, PREPARE, download_export, load_prepared
+from drafter.formats import EXPORT, PREPARE, load_prepared
+from drafter.stages import serve as serve_stage
 from drafter.stage_output import Progress, StageOutput, StageResult
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore
@@ -65,19 +66,12 @@ def output(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]
     return StageOutput(store, STAGE, fingerprint(cfg, upstream))
 
 
-def download_drafter(store: ObjectStore, export_fp: str, root: str | Path) -> Path:
-    """The export's SGLang-format drafter in `<root>/export-<fp>/` (kept between runs)."""
-    return download_export(store, export_fp, Path(root) / f"export-{export_fp}", "sglang")
-
-
 def drafter_path(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> str | None:
+    """The drafter every speculative server of the sweep loads (None for a baseline-only sweep)."""
     if not cfg.bench.speculative:
         return None
-    if cfg.serve.draft_path:
-        return cfg.serve.draft_path
-    identity = _drafter_identity(cfg, upstream)
-    root = Path(cfg.serve.log_dir).parent / "drafters"
-    return str(download_drafter(store, identity["export"], root).resolve())
+    _drafter_identity(cfg, upstream)  # names what is missing
+    return serve_stage.draft_path(cfg, store, upstream)
 
 
 def build_prompts(cfg: LifecycleConfig, conversations: list[dict]) -> tuple[list, str]:

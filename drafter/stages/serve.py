@@ -10,9 +10,8 @@ the server rewrote fail the stage (field note 3).
 """
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Mapping
-from contextlib import ExitStack
+from pathlib import Path
 
 from drafter.config import LifecycleConfig
 from drafter.formats import EXPORT, download_export
@@ -23,6 +22,20 @@ from drafter.store import ObjectStore
 STAGE = "serve"
 
 
+def export_dir(cfg: LifecycleConfig, store: ObjectStore, export_fp: str) -> str:
+    """An export's SGLang-format drafter as a local directory a server loads:
+    `<serve.log_dir>/../drafters/export-<fp>/`, kept between runs (files re-verified, not re-fetched)."""
+    root = Path(cfg.serve.log_dir).parent / "drafters"
+    return str(download_export(store, export_fp, root / f"export-{export_fp}", "sglang").resolve())
+
+
+def draft_path(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> str | None:
+    """`serve.draft_path`, else this run's export when the table made it an upstream, else None."""
+    if cfg.serve.draft_path:
+        return cfg.serve.draft_path
+    return export_dir(cfg, store, upstream[EXPORT]) if EXPORT in upstream else None
+
+
 def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> None:
     """None: a server is not a stored output (nothing downstream reads one by fingerprint yet)."""
     return None
@@ -31,13 +44,9 @@ def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> None:
 def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str] | None = None,
         progress: Progress | None = None, on_line=None) -> StageResult:
     """`on_line` receives every server log line (the Prefect task streams them into the run log)."""
-    with ExitStack() as stack:
-        draft = cfg.serve.draft_path
-        if draft is None and upstream and EXPORT in upstream:
-            local = stack.enter_context(tempfile.TemporaryDirectory(prefix="drafter-serve-"))
-            draft = str(download_export(store, upstream[EXPORT], local, "sglang"))
-        report = check_server(cfg, draft_path=draft, on_line=on_line, raise_on_failure=True)
-        report["draft_path"] = draft
+    draft = draft_path(cfg, store, upstream or {})
+    report = check_server(cfg, draft_path=draft, on_line=on_line, raise_on_failure=True)
+    report["draft_path"] = draft
     table = [{"metric": "base url", "value": str(report["base_url"])},
              {"metric": "log", "value": report["log_path"]},
              {"metric": "launch environment", "value": report["launch_path"]},
