@@ -25,6 +25,8 @@ run_id=$(grep -oE 'prefect\.flow-run\.[0-9a-f-]{36}' "$run_log" | head -1 | sed 
 
 echo "== stages (from the flow run's log)"
 "$PREFECT" flow-run logs "$run_id" 2>/dev/null | grep -oE 'stage [a-z]+: .*' || echo "(see the Prefect UI for run $run_id)"
+echo "== drafter: training prediction, offline judgement, benchmark (from the stages' summaries)"
+"$PREFECT" flow-run logs "$run_id" 2>/dev/null | grep -oE '(train|export|bench): .*' | grep -v ': wrote \|: skipped, ' || true
 
 echo "== outputs"
 "$VENV/bin/drafter" outputs --config "$PROFILE"
