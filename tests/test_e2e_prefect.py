@@ -67,9 +67,15 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
         "datagen": {"max_tokens": 12, "shard_size": 16},
         "train": {"draft_vocab_size": 64, "max_steps": 6, "ttt_length": 3},
         "dump": {"aux_layer_ids": [0, 1, 2], "max_length": 64, "samples_per_shard": 8, "devices": ["cpu"]},
+        # The tiny target is random: the judge records its figures, the thresholds let it pass.
+        "export": {"eval_prompts": 4, "judge_max_new_tokens": 12, "judge_num_steps": 2, "min_accept_ratio": 0.01, "min_accept_length": 1.0,
+                   "device": "cpu"},
         "serve": {"engine": "reference", "device": "cpu", "port": free_port(), "log_dir": str(tmp_path / "logs"),
-                  "extra_args": ["--cpu-threads", "1"],
+                  "extra_args": ["--cpu-threads", "1"], "speculative": {"num_steps": 2, "eagle_topk": 1,
+                                                                       "num_draft_tokens": 3},
                   "startup_timeout_s": 180, "stall_timeout_s": 90},
+        "bench": {"speculative": [{"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3}], "num_prompts": 3,
+                  "max_tokens": 8, "repeats": 2, "warmup_requests": 1},
         "storage": {"root": f"file://{store}"},
     }))
 
@@ -109,8 +115,18 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
     assert "dump: skipped, output already complete" in logs
     assert logs.count("train: wrote") == 1
     assert "train: skipped, output already complete" in logs
+    for stage in ("export", "bench"):
+        assert logs.count(f"{stage}: wrote") == 1 and f"{stage}: skipped, output already complete" in logs
+    exported = list(store.glob("export/*/_SUCCESS.json"))
+    judge = json.loads(exported[0].read_text())["meta"]["judge"]
+    assert judge["accept_length"] >= 1.0 and len(judge["per_position"]) == 2
+    report = json.loads(next(store.glob("bench/*/report.json")).read_text())
+    assert [row["config"] for row in report["table"]] == ["baseline (no speculation)", "EAGLE3 2/1/3"]
+    assert report["table"][1]["verdict"] in ("faster", "slower", "no measurable difference")
     # the serve stage started the reference engine, gated it on a generation, and tore it down
     assert logs.count("reference ready in") == 2
     assert re.search(r"\[server\] .*The server is fired up and ready to roll!", logs)
-    # 3 launches: datagen's server (first run only; the second run skips it) + the serve stage twice
-    assert len(list((tmp_path / "logs").glob("reference-*.launch.json"))) == 3
+    # launches: datagen's server (first run only) + the serve stage twice (with this run's export) +
+    # the bench's baseline and 2/1/3 servers (first run only; the second run finds the report committed)
+    assert len(list((tmp_path / "logs").glob("reference-*.launch.json"))) == 5
+    assert "Speculative decoding: EAGLE3 num_steps=2 topk=1 num_draft_tokens=3" in logs  # served the export
