@@ -86,35 +86,47 @@ def to_device(mb: MicroBatch, device) -> MicroBatch:
                       mb.doc_lens, mb.sample_ids)
 
 
-def run_ours(a) -> dict:
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    model, head, embed = build(a, device, dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = MasterAdamW(params, lr=1e-4, state_dtype=getattr(torch, a.moments), compile=a.compile)
-    gen = torch.Generator().manual_seed(a.seed)
-    times, fracs = [], []
-    for step in range(a.steps + 3):
-        mb = batch(a, device, dtype, gen)
-        e_next = embed_next(mb, embed).to(device)        # data preparation (frozen table lookup)
-        mb = to_device(mb, device)
+class TrainStep:
+    """One optimizer step of our trainer (forward, backward, clip, AdamW) on a fresh synthetic batch;
+    `__call__` returns (seconds, loss, step inputs). Shared by the timing and the profile."""
+
+    def __init__(self, a):
+        self.a, self.device, self.dtype = a, torch.device("cuda"), torch.bfloat16
+        self.model, self.head, self.embed = build(a, self.device, self.dtype)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = MasterAdamW(self.params, lr=1e-4, state_dtype=getattr(torch, a.moments), compile=a.compile)
+        self.gen = torch.Generator().manual_seed(a.seed)
+
+    def __call__(self):
+        a = self.a
+        mb = batch(a, self.device, self.dtype, self.gen)
+        e_next = embed_next(mb, self.embed).to(self.device)  # data preparation (frozen table lookup)
+        mb = to_device(mb, self.device)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        si = prepare(mb, None, head, a.ttt, device, dtype, e_next=e_next)
-        loss, stats = fast_ttt_loss(model, si, 0.8, float(si.T), attention=a.attention, compile=a.compile)
+        si = prepare(mb, None, self.head, a.ttt, self.device, self.dtype, e_next=e_next)
+        loss, _ = fast_ttt_loss(self.model, si, 0.8, float(si.T), attention=a.attention, compile=a.compile)
         loss.backward()
-        clip_gradients(params, 0.5)
-        opt.step()
-        opt.zero_grad()
+        clip_gradients(self.params, 0.5)
+        self.opt.step()
+        self.opt.zero_grad()
         torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        if step >= 3:
+        return time.perf_counter() - t0, loss, si
+
+
+def run_ours(a) -> dict:
+    step = TrainStep(a)
+    times, fracs = [], []
+    for k in range(a.steps + 3):
+        dt, loss, si = step()
+        if k >= 3:
             times.append(dt)
             fracs.append(float(si.pm[0].float().mean()))
     med = statistics.median(times)
     return {"impl": "ours", "compile": a.compile, "attention": a.attention, "moments": a.moments, "seq": a.seq, "ttt": a.ttt, "hidden": a.hidden, "vocab": a.vocab,
             "draft_vocab": a.draft_vocab, "loss_fraction": a.loss_fraction,
             "position_mask_fraction_step0": round(statistics.mean(fracs), 3),
-            "trainable_params_M": round(sum(p.numel() for p in params) / 1e6, 1),
+            "trainable_params_M": round(sum(p.numel() for p in step.params) / 1e6, 1),
             "step_s_median": round(med, 4), "step_s_min": round(min(times), 4),
             "tokens_per_s": round(a.seq / med, 1),
             "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2), "loss": float(loss.detach()),
@@ -126,31 +138,11 @@ def profile(a) -> None:
     """Two profiled steps: device time vs wall time, and the kernels that take it."""
     from torch.profiler import ProfilerActivity, profile as prof
 
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    model, head, embed = build(a, device, dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = MasterAdamW(params, lr=1e-4, state_dtype=getattr(torch, a.moments), compile=a.compile)
-    gen = torch.Generator().manual_seed(a.seed)
-
-    def step():
-        mb = batch(a, device, dtype, gen)
-        e_next = embed_next(mb, embed).to(device)
-        mb = to_device(mb, device)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        si = prepare(mb, None, head, a.ttt, device, dtype, e_next=e_next)
-        loss, _ = fast_ttt_loss(model, si, 0.8, float(si.T), attention=a.attention, compile=a.compile)
-        loss.backward()
-        clip_gradients(params, 0.5)
-        opt.step()
-        opt.zero_grad()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
+    step = TrainStep(a)
     for _ in range(3):
         step()
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        wall = step() + step()
+        wall = step()[0] + step()[0]
     ka = p.key_averages()
     dev_total = sum(e.self_device_time_total for e in ka if e.device_type.name == "CUDA") / 1e3 / 2
     print(ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
