@@ -446,8 +446,7 @@ def fp_of(result) -> str:
     return result.manifest.fingerprint
 
 
-def test_config_errors(tmp_path):
-    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"), [sharegpt(0)])
+def test_config_errors():
     with pytest.raises(ConfigError, match="server URLs must be http"):
         parse_config({"target": {"path": "/x"}, "datagen": {"server_urls": ["localhost:30000"]}})
     with pytest.raises(ConfigError, match="max_consecutive_failures"):

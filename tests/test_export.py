@@ -21,7 +21,7 @@ from drafter.export.sglang import (
     write_sglang)
 from drafter.export.vllm import check_vllm_export, write_vllm
 from drafter.layers import LAYER_ID_CONVENTION
-from drafter.model import EXPECTED_KEYS, load_drafter, save_drafter, set_draft_vocab
+from drafter.model import EXPECTED_KEYS, load_drafter
 from drafter.stage_output import StageOutput, to_jsonl
 from drafter.stages import export
 from drafter.store import FileStore
