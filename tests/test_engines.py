@@ -414,3 +414,25 @@ def test_error_types_and_retry_policy():
     assert (type(back), back.exit_code, back.phase, back.log_tail) == (ServerCrashed, 3, "load_weights", ["x"])
     assert pickle.loads(pickle.dumps(timeout)).failing == ["generation"]
     assert "x" in str(crashed)  # the log tail is part of the message a person reads
+
+
+def test_vllm_refuses_an_sglang_format_drafter(tmp_path):
+    """vLLM reads aux ids as "input of layer i": an SGLang-format directory would be served one
+    layer off, so the engine refuses it and points at the vLLM export; a speculators one passes."""
+    import json
+
+    sglang_dir, vllm_dir = tmp_path / "sglang", tmp_path / "vllm"
+    sglang_dir.mkdir()
+    vllm_dir.mkdir()
+    (sglang_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                                        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}))
+    (vllm_dir / "config.json").write_text(json.dumps({"architectures": ["Eagle3Speculator"],
+                                                      "speculators_model_type": "eagle3"}))
+    cfg = parse_config({"target": {"path": "/models/llama", "num_hidden_layers": 32, "vocab_size": 1000},
+                        "train": {"draft_vocab_size": 100},
+                        "serve": {"engine": "vllm", "speculative": {"num_steps": 3, "eagle_topk": 1,
+                                                                    "num_draft_tokens": 4}}})
+    with pytest.raises(ServerConfigError, match=r"SGLang-format drafter.*\[1, 15, 28\] one layer off.*DIR/vllm"):
+        make_engine("vllm").build_launch(cfg, str(sglang_dir), tmp_path)
+    argv = make_engine("vllm").build_launch(cfg, str(vllm_dir), tmp_path).argv
+    assert any(str(vllm_dir) in a for a in argv)

@@ -479,6 +479,22 @@ def vllm_accept_length(delta: Mapping[str, Any]) -> float | None:
     return 1.0 + delta.get("accepted_tokens", 0.0) / drafts
 
 
+def _refuse_sglang_layout(draft_path: str | os.PathLike) -> None:
+    """vLLM reads `eagle_aux_hidden_state_layer_ids` as "input of layer i": an SGLang-format
+    directory (ids as outputs of layer i) would be served one layer off, silently (reference:
+    sglang-eagle3-contract.md section 9). Hand vLLM the export's `vllm/` directory instead."""
+    config = Path(draft_path) / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return  # preflight names a missing draft; an unreadable config is vLLM's to report
+    if "speculators_model_type" not in data and "LlamaForCausalLMEagle3" in (data.get("architectures") or []):
+        raise ServerConfigError(
+            f"vllm: {draft_path} is an SGLang-format drafter (LlamaForCausalLMEagle3): vLLM would read its aux "
+            f"layer ids {data.get('eagle_config', {}).get('eagle_aux_hidden_state_layer_ids')} one layer off; "
+            f"serve the vLLM export (`drafter export --out DIR` -> DIR/vllm) instead", engine="vllm")
+
+
 class VLLMEngine(Engine):
     name = "vllm"
     generate_style: GenerateStyle = "openai"
@@ -504,6 +520,7 @@ class VLLMEngine(Engine):
     def _speculative_config(spec: SpeculativeConfig | None, draft_path: str | None) -> list[str]:
         if not _speculates(spec, draft_path):
             return []
+        _refuse_sglang_layout(draft_path)
         conf: dict[str, Any] = {"method": "eagle3", "model": str(draft_path)}
         if spec is not None and spec.is_set:
             if spec.eagle_topk != 1:

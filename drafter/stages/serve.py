@@ -23,10 +23,13 @@ STAGE = "serve"
 
 
 def export_dir(cfg: LifecycleConfig, store: ObjectStore, export_fp: str) -> str:
-    """An export's SGLang-format drafter as a local directory a server loads:
-    `<serve.log_dir>/../drafters/export-<fp>/`, kept between runs (files re-verified, not re-fetched)."""
+    """An export as a local directory the configured engine loads, in that engine's format (vLLM's
+    layer ids are one higher): `<serve.log_dir>/../drafters/export-<fp>[-vllm]/`, kept between
+    runs (files re-verified, not re-fetched)."""
+    fmt = "vllm" if cfg.serve.engine == "vllm" else "sglang"
     root = Path(cfg.serve.log_dir).parent / "drafters"
-    return str(download_export(store, export_fp, root / f"export-{export_fp}", "sglang").resolve())
+    name = f"export-{export_fp}" + ("-vllm" if fmt == "vllm" else "")
+    return str(download_export(store, export_fp, root / name, fmt).resolve())
 
 
 def draft_path(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> str | None:
