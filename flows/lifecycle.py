@@ -58,6 +58,8 @@ def _summarise(results: dict[str, dict]) -> None:
     for stage, result in results.items():
         state = {"skipped": "skipped (output already complete)"}.get(result["status"], result["status"])
         print(f"stage {stage}: {state} {result['uri'] or ''}")
+        for line in result.get("summary") or []:  # the stage's own figures (accept lengths, the bench table)
+            print(f"stage {stage} | {line}")
         rows.append({"stage": stage, "state": state, "where": result["uri"] or ""})
     create_table_artifact(key="lifecycle-summary", table=rows, description="drafter-lifecycle stages")
 

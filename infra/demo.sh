@@ -24,9 +24,6 @@ run_log="$RUN_DIR/last-demo-run.log"
 run_id=$(grep -oE 'prefect\.flow-run\.[0-9a-f-]{36}' "$run_log" | head -1 | sed 's/prefect\.flow-run\.//')
 
 echo "== stages (from the flow run's log)"
-"$PREFECT" flow-run logs "$run_id" 2>/dev/null | grep -oE 'stage [a-z]+: .*' || echo "(see the Prefect UI for run $run_id)"
-echo "== drafter: training prediction, offline judgement, benchmark (from the stages' summaries)"
-"$PREFECT" flow-run logs "$run_id" 2>/dev/null | grep -oE '(train|export|bench): .*' | grep -v ': wrote \|: skipped, ' || true
-
+"$PREFECT" flow-run logs "$run_id" 2>/dev/null | grep -oE 'stage [a-z]+(:| \|) .*' || echo "(see the Prefect UI for run $run_id)"
 echo "== outputs"
 "$VENV/bin/drafter" outputs --config "$PROFILE"
