@@ -211,6 +211,8 @@ class _Bar:
 
 
 def _fmt(value) -> str:
+    if isinstance(value, dict):  # e.g. the trainer's {loss, accept_length, tokens_per_s}
+        return ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
