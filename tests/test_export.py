@@ -27,7 +27,7 @@ from drafter.stages import export
 from drafter.store import FileStore
 from drafter.target import HFTarget
 from drafter.target_identity import target_fingerprint
-from tests.test_speculative import EOS, build_random_target, build_successor_drafter, build_successor_target
+from tests.test_speculative import EOS, build_random_target, successor_pair  # noqa: F401  (fixture)
 
 AUX = [0, 1, 2]
 ACC = [0.95, 0.1, 0.05]  # what "training" predicted: 1 + 0.95 + 0.095 + 0.00475 = 2.04975 at 3 steps
@@ -42,10 +42,9 @@ def _one_cpu_thread():
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("export-successor")
-    target = build_successor_target(tiny_target, root / "target")
-    return target, build_successor_drafter(target, root / "draft")
+def pair(successor_pair) -> tuple[Path, Path]:
+    """The crafted successor target + drafter (built once per session; exports go to tmp_path)."""
+    return successor_pair
 
 
 @pytest.fixture(scope="module")
