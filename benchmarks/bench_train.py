@@ -10,8 +10,8 @@ real chat data (the JSON reports the measured share). Prints one JSON line per r
 
   python benchmarks/bench_train.py --loss-fraction 0.6            # ours, Llama-3.1-8B shapes
   python benchmarks/bench_train.py --exactness                    # fast path == dense on this device
-  python benchmarks/bench_train.py --all --anchor PATH --out DIR  # anchor + ours (compiled; fp32 and
-                                                                  # bf16 moments) + exactness, table
+  python benchmarks/bench_train.py --all --anchor PATH --out DIR  # anchor + ours (compiled; CUDA graphs
+                                                                  # fp32 / bf16 moments) + exactness, table
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.model import Eagle3DraftConfig, Eagle3Drafter, set_draft_vocab  # noqa: E402
 from drafter.training.optim import MasterAdamW, clip_gradients  # noqa: E402
+from drafter.training.static_step import GraphedTTT, plan_static, static_ttt_loss  # noqa: E402
 from drafter.training.teacher import TargetHead  # noqa: E402
 from drafter.training.ttt import MicroBatch, dense_ttt_loss, embed_next, fast_ttt_loss, prepare  # noqa: E402
 
@@ -81,11 +82,6 @@ def batch(a, device, dtype, gen, lens=None):
     return mb
 
 
-def to_device(mb: MicroBatch, device) -> MicroBatch:
-    return MicroBatch(mb.input_ids.to(device), mb.loss_mask.to(device), mb.aux.to(device), mb.final.to(device),
-                      mb.doc_lens, mb.sample_ids)
-
-
 class TrainStep:
     """One optimizer step of our trainer (forward, backward, clip, AdamW) on a fresh synthetic batch;
     `__call__` returns (seconds, loss, step inputs). Shared by the timing and the profile."""
@@ -93,37 +89,47 @@ class TrainStep:
     def __init__(self, a):
         self.a, self.device, self.dtype = a, torch.device("cuda"), torch.bfloat16
         self.model, self.head, self.embed = build(a, self.device, self.dtype)
+        self.graphed = GraphedTTT(self.model, self.head, a.attention, a.compile) if a.graphs else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = MasterAdamW(self.params, lr=1e-4, state_dtype=getattr(torch, a.moments), compile=a.compile)
+        self.opt = MasterAdamW(self.params, lr=1e-4, state_dtype=getattr(torch, a.moments), compile=a.compile,
+                               keep_grads=a.graphs)
         self.gen = torch.Generator().manual_seed(a.seed)
 
     def __call__(self):
         a = self.a
         mb = batch(a, self.device, self.dtype, self.gen)
         e_next = embed_next(mb, self.embed).to(self.device)  # data preparation (frozen table lookup)
-        mb = to_device(mb, self.device)
+        # the states on the GPU (as the anchor's), ids and masks where the trainer keeps them
+        mb = MicroBatch(mb.input_ids, mb.loss_mask, mb.aux.to(self.device), mb.final.to(self.device),
+                        mb.doc_lens, mb.sample_ids)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        si = prepare(mb, None, self.head, a.ttt, self.device, self.dtype, e_next=e_next)
-        loss, _ = fast_ttt_loss(self.model, si, 0.8, float(si.T), attention=a.attention, compile=a.compile)
-        loss.backward()
+        if self.graphed is not None:
+            sb = plan_static(mb, a.ttt, 0.8, float(mb.num_tokens), a.seq, e_next=e_next)
+            loss, stats = self.graphed(sb)
+        else:
+            si = prepare(mb, None, self.head, a.ttt, self.device, self.dtype, e_next=e_next)
+            loss, _ = fast_ttt_loss(self.model, si, 0.8, float(si.T), attention=a.attention, compile=a.compile)
+            loss.backward()
         clip_gradients(self.params, 0.5)
         self.opt.step()
         self.opt.zero_grad()
         torch.cuda.synchronize()
-        return time.perf_counter() - t0, loss, si
+        dt = time.perf_counter() - t0
+        frac = float(stats[0, 1] / mb.num_tokens) if self.graphed is not None else float(si.pm[0].float().mean())
+        return dt, loss, frac
 
 
 def run_ours(a) -> dict:
     step = TrainStep(a)
     times, fracs = [], []
     for k in range(a.steps + 3):
-        dt, loss, si = step()
+        dt, loss, frac = step()
         if k >= 3:
             times.append(dt)
-            fracs.append(float(si.pm[0].float().mean()))
+            fracs.append(frac)
     med = statistics.median(times)
-    return {"impl": "ours", "compile": a.compile, "attention": a.attention, "moments": a.moments, "seq": a.seq, "ttt": a.ttt, "hidden": a.hidden, "vocab": a.vocab,
+    return {"impl": "ours", "compile": a.compile, "cuda_graphs": a.graphs, "attention": a.attention, "moments": a.moments, "seq": a.seq, "ttt": a.ttt, "hidden": a.hidden, "vocab": a.vocab,
             "draft_vocab": a.draft_vocab, "loss_fraction": a.loss_fraction,
             "position_mask_fraction_step0": round(statistics.mean(fracs), 3),
             "trainable_params_M": round(sum(p.numel() for p in step.params) / 1e6, 1),
@@ -177,7 +183,70 @@ def exactness(a) -> dict:
         lf, ld = float(lf.detach()), float(ld.detach())
         out[key] = {"loss_fast": lf, "loss_dense": ld, "loss_rel_err": abs(lf - ld) / abs(ld),
                     "grad_max_rel_err": rel, "pass": abs(lf - ld) / abs(ld) < tol_loss and rel < tol_grad}
+    if device.type == "cuda":  # the fixed-shape step replayed as a CUDA graph, against dense and eager
+        for comp in (False, True):
+            model, head, embed = build(small, device, torch.bfloat16)
+            head_full = torch.cat([head.draft_rows, head.rest_rows])[torch.argsort(torch.cat([head.draft_ids, head.rest_ids]))]
+            mb = batch(small, device, torch.bfloat16, torch.Generator().manual_seed(1), lens=[230, 170, 199])
+            params = list(model.parameters())
+            ld = dense_ttt_loss(model, mb, embed, head_full, model.t2d, small.ttt, 0.8, float(mb.num_tokens))
+            gd = torch.autograd.grad(ld, params)
+            sb = plan_static(mb, small.ttt, 0.8, float(mb.num_tokens), 640, embed=embed)
+            le, _ = static_ttt_loss(model, head, sb.to(device, torch.bfloat16), compile=comp)
+            ge = torch.autograd.grad(le, params)
+            graphed = GraphedTTT(model, head, compile=comp)
+            lg = None
+            for _ in range(2):  # capture, then a plain replay: both must give the same
+                graphed.zero_grads()
+                lg = float(graphed(sb)[0])
+            gg = [p.grad.clone() for p in params]
+            rel = lambda xs: max(float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-12))
+                                 for x, y in zip(xs, gd))
+            res = {"loss_graph": lg, "loss_eager_static": float(le), "loss_dense": float(ld),
+                   "loss_rel_err": abs(lg - float(ld)) / abs(float(ld)), "grad_max_rel_err": rel(gg),
+                   "graph_vs_eager_static_grad_max_rel_err": max(
+                       float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-12)) for x, y in zip(gg, ge))}
+            res["pass"] = res["loss_rel_err"] < 2e-2 and res["grad_max_rel_err"] < 5e-2
+            out["bfloat16_flash_cuda_graph" + ("_compile" if comp else "")] = res
+        out.update(trainer_graphs_check())
     out["device"] = str(device)
+    return out
+
+
+def trainer_graphs_check() -> dict:
+    """train_drafter on the tests' tiny target and dump, on CUDA, with and without
+    train.cuda_graphs: same metrics and final weights (float32 with math attention: equal up to
+    summation order; bfloat16 with flash: within bf16 rounding)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from drafter.store import FileStore
+    from drafter.training.trainer import train_drafter
+    from tests.test_training_support import TARGET_FP, make_cfg, make_dump, make_target
+
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        target = make_target(tmp / "target")
+        store = FileStore(tmp / "store")
+        make_dump(store, tmp)
+        for dtype, tol in (("float32", 1e-4), ("bfloat16", 5e-2)):
+            got = {}
+            for graphs in (False, True):
+                cfg = make_cfg(target, "file:///x", device="cuda", dtype=dtype, cuda_graphs=graphs,
+                               compile=graphs, max_steps=8, tokens_per_micro_batch=128)
+                r = train_drafter(cfg, store, "dump0001", run_fingerprint=f"{dtype}-{graphs}",
+                                  out_dir=tmp / f"o-{dtype}-{graphs}", target_fingerprint=TARGET_FP)
+                rows = [json.loads(x) for x in r.metrics_path.read_text().splitlines()]
+                got[graphs] = (rows, load_file(str(r.drafter_dir / "model.safetensors")))
+            (ra, wa), (rb, wb) = got[False], got[True]
+            rel = max(float((wa[k].float() - wb[k].float()).norm() / wa[k].float().norm().clamp_min(1e-12))
+                      for k in wa if wa[k].is_floating_point())
+            la, lb = ra[-1]["loss"][0], rb[-1]["loss"][0]
+            out[f"trainer_{dtype}_cuda_graphs"] = {"final_eval_loss0_plain": la, "final_eval_loss0_graphs": lb,
+                                                   "weights_max_rel_err": rel,
+                                                   "pass": rel < tol and abs(la - lb) <= tol * max(1.0, abs(la))}
     return out
 
 
@@ -193,8 +262,10 @@ def run_all(a) -> None:
                                    "--steps", str(a.steps)]))
     if a.eager:
         jobs.append(("ours", me + common))
-    jobs.append(("ours-compile", me + common + ["--compile"]))
-    jobs.append(("ours-compile-bf16m", me + common + ["--compile", "--moments", "bfloat16"]))
+    if not a.graphs_only:
+        jobs.append(("ours-compile", me + common + ["--compile"]))
+    jobs.append(("ours-graphs", me + common + ["--compile", "--graphs"]))
+    jobs.append(("ours-graphs-bf16m", me + common + ["--compile", "--graphs", "--moments", "bfloat16"]))
     jobs.append(("exactness", me + ["--exactness"]))
     for name, cmd in jobs:
         if name == "ours-compile" and a.eager and "error" in results[-1]:  # flash failed: measure math
@@ -233,6 +304,8 @@ def main() -> None:
     p.add_argument("--attention", default="auto", help="auto (flash on CUDA) or math")
     p.add_argument("--moments", default="float32", choices=["float32", "bfloat16"],
                    help="AdamW moments (train.optimizer_state_dtype; bfloat16 is not the exact default)")
+    p.add_argument("--graphs", action="store_true", help="fixed-shape step replayed as a CUDA graph (train.cuda_graphs)")
+    p.add_argument("--graphs-only", action="store_true", help="--all measures only the CUDA-graph steps")
     p.add_argument("--eager", action="store_true", help="--all also measures the eager step")
     p.add_argument("--exactness", action="store_true")
     p.add_argument("--all", action="store_true")

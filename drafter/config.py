@@ -270,6 +270,8 @@ class TrainConfig(Strict):
     prefetch_shards: int = OperationalField(1, ge=0, description="shards downloaded ahead of the reader")
     cache_dir: str | None = OperationalField(None, description="local shard cache (default: system temp dir)")
     compile: bool = OperationalField(False, description="torch.compile the drafter's per-step blocks (GPU)")
+    cuda_graphs: bool = OperationalField(
+        False, description="fixed-shape step, forward + backward replayed as CUDA graphs (one CUDA device)")
     vocab_chunk: int = OperationalField(
         32768, ge=256, description="vocabulary rows per chunk of the teacher's full-vocab argmax")
     threads: int | None = OperationalField(None, ge=1, description="torch CPU threads")

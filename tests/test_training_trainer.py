@@ -185,3 +185,12 @@ def test_sigterm_writes_a_checkpoint_and_stops(tmp_path):
     assert len(steps) == 1 and 0 < steps[0]  # written at the step it stopped (no periodic save)
     state = ckpt.load_checkpoint(store, "resume-run", steps[0])
     assert state["cursor"]["epoch"] < 6  # mid-run
+
+
+def test_cuda_graphs_without_a_cuda_device_is_refused_clearly(env):
+    from drafter.training.errors import TrainingError
+
+    tmp, target, store = env
+    with pytest.raises(TrainingError, match="train.cuda_graphs needs one CUDA device"):
+        train_drafter(make_cfg(target, "file:///x", cuda_graphs=True), store, "dump0001", run_fingerprint="r7",
+                      out_dir=tmp / "o", target_fingerprint=TARGET_FP)

@@ -30,7 +30,11 @@ class MasterAdamW:
     """AdamW over fp32 masters of `params` (the masters are the params when already fp32)."""
 
     def __init__(self, params: list[torch.nn.Parameter], lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, state_dtype: torch.dtype = torch.float32, compile: bool = False):
+                 weight_decay: float = 0.0, state_dtype: torch.dtype = torch.float32, compile: bool = False,
+                 keep_grads: bool = False):
+        # keep_grads: .grad tensors are persistent buffers (a CUDA graph writes them): zeroed in
+        # place, never dropped.
+        self.keep_grads = keep_grads
         self.params = [p for p in params if p.requires_grad]
         self.masters = [p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
                         for p in self.params]
@@ -52,6 +56,9 @@ class MasterAdamW:
             g["lr"] = lr
 
     def zero_grad(self) -> None:
+        if self.keep_grads:
+            torch._foreach_zero_([p.grad for p in self.params if p.grad is not None])
+            return
         for p in self.params:
             p.grad = None
 
@@ -77,7 +84,8 @@ class MasterAdamW:
                 self.lowp.update(i, p.grad)
                 if m is not p:
                     p.copy_(m)
-                    p.grad = None
+                    if not self.keep_grads:
+                        p.grad = None
             return
         for i in idx:
             p, m = self.params[i], self.masters[i]
@@ -89,7 +97,8 @@ class MasterAdamW:
             if m is not p:
                 m.grad = None
                 p.copy_(m)
-                p.grad = None
+                if not self.keep_grads:
+                    p.grad = None
 
     def state_dict(self) -> dict:
         return {"adamw": self.opt.state_dict(),
@@ -168,10 +177,11 @@ class _LowPrecisionMoments:
             g.update(saved)
 
 
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip the total gradient norm in place; returns the norm before clipping (DTensor-aware)."""
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the total gradient norm in place; returns the norm before clipping as a tensor (no
+    device sync: the GPU keeps its queue; DTensor-aware)."""
     grads = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm

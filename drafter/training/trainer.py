@@ -31,6 +31,7 @@ from drafter.training.data import Cursor, DumpExpectation, DumpReader, DumpSplit
 from drafter.training.errors import DrafterIncompatible, TrainingError
 from drafter.training.metrics import plot_png, summarize, to_jsonl
 from drafter.training.optim import MasterAdamW, clip_gradients, lr_factor
+from drafter.training.static_step import GraphedTTT, plan_static
 from drafter.training.teacher import TargetHead, load_target_head
 from drafter.training.ttt import STATS, prepare, fast_ttt_loss
 from drafter.training.vocab import ids_from_maps, select_draft_vocab
@@ -209,8 +210,15 @@ def _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run, out_d
     module = distributed.wrap(TTTModule(model), d, tc.parallel, dtype)
     if tc.optimizer_state_dtype != "float32" and tc.parallel == "fsdp" and d.active:
         raise TrainingError("train.optimizer_state_dtype other than float32 is not supported with parallel: fsdp")
+    graphed = None
+    if tc.cuda_graphs:
+        if d.device.type != "cuda" or d.active:
+            raise TrainingError(f"train.cuda_graphs needs one CUDA device without torchrun (device {d.device}, "
+                                f"{d.world} processes): set it to false")
+        graphed = GraphedTTT(model, head, compile=tc.compile)
     opt = MasterAdamW(list(model.parameters()), tc.learning_rate, tc.adam_betas, tc.adam_eps, tc.weight_decay,
-                      state_dtype=getattr(torch, tc.optimizer_state_dtype), compile=tc.compile)
+                      state_dtype=getattr(torch, tc.optimizer_state_dtype), compile=tc.compile,
+                      keep_grads=graphed is not None)
 
     per_step = tc.tokens_per_micro_batch * tc.micro_batches_per_step
     total = tc.max_steps or max(1, -(-tc.epochs * train_reader.num_tokens // per_step))
@@ -259,6 +267,10 @@ def _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run, out_d
             mine = group[d.rank::d.world]
             stats = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64, device=d.device)
             for i, (_c, mb, _n) in enumerate(mine):
+                if graphed is not None:  # one replay adds this micro-batch's gradients
+                    sb = plan_static(mb, tc.ttt_length, tc.ttt_decay, norm, tc.tokens_per_micro_batch, embed=embed)
+                    stats += graphed(sb)[1]
+                    continue
                 si = prepare(mb, embed, head, tc.ttt_length, d.device, dtype)
                 sync = i == len(mine) - 1
                 with _no_sync(module, d, tc.parallel, sync):

@@ -253,7 +253,7 @@ def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: floa
         prev_h = h
     if not hs:  # no loss position in this micro-batch: a zero that backward accepts
         total = torch.zeros((), dtype=acc_dtype, device=dev) + 0.0 * h_in.sum()
-        return total, _stats(si, loss_sums, correct)
+        return total, step_stats(si.lm, si.pm, loss_sums, correct)
     n = sum(x.shape[0] for x in hs)
     ks, at = si.hit_k[:n], si.hit_at[:n]
     weights = torch.tensor([(decay ** k) / norm for k in range(si.K)], dtype=acc_dtype, device=dev)[ks]
@@ -263,16 +263,15 @@ def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: floa
     with torch.no_grad():
         loss_sums.index_add_(0, ks, ce.double())
         correct[ks, at] = model.draft_to_target(pred) == si.target_id[ks, at]
-    return total, _stats(si, loss_sums, correct)
+    return total, step_stats(si.lm, si.pm, loss_sums, correct)
 
 
 @torch.no_grad()
-def _stats(si: StepInputs, loss_sums: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
-    """The STATS columns, all positions and steps at once."""
-    lm = si.lm
+def step_stats(lm: torch.Tensor, pm: torch.Tensor, loss_sums: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+    """The STATS columns from [K, positions] masks (loss mask, position mask, correct), all at once."""
     chain = correct.long().cumprod(0).bool()                     # right at every step 0..k
     before = torch.cat([torch.ones_like(chain[:1]), chain[:-1]])  # right at every step 0..k-1
-    cols = [loss_sums, si.pm.sum(1), lm.sum(1), (correct & lm).sum(1), (chain & lm).sum(1), (before & lm).sum(1)]
+    cols = [loss_sums, pm.sum(1), lm.sum(1), (correct & lm).sum(1), (chain & lm).sum(1), (before & lm).sum(1)]
     return torch.stack([c.double() for c in cols], 1)
 
 
