@@ -16,6 +16,13 @@ config_app = typer.Typer(no_args_is_help=True, help="Inspect and validate config
 app.add_typer(config_app, name="config")
 
 ConfigOpt = typer.Option(..., "--config", "-c", help="YAML profile, e.g. profiles/demo.yaml")
+_DEBUG = False  # --debug: expected errors show their traceback too
+
+
+@app.callback()
+def _options(debug: bool = typer.Option(False, "--debug", help="show the traceback of expected errors too")) -> None:
+    global _DEBUG
+    _DEBUG = debug
 
 
 def _load(path: Path, options: dict | None = None) -> LifecycleConfig:
@@ -30,12 +37,20 @@ def _load(path: Path, options: dict | None = None) -> LifecycleConfig:
 
 
 @config_app.command("validate")
-def config_validate(files: list[Path] = typer.Argument(..., help="profiles to check")) -> None:
+def config_validate(files: list[Path] = typer.Argument(..., help="profiles to check"),
+                    offline: bool = typer.Option(False, "--offline",
+                                                 help="do not check that local paths (target, sources, "
+                                                      "drafter) exist")) -> None:
     """Print every problem in each profile; exit non-zero if any profile is invalid."""
+    from drafter.config import path_problems
+
     failed = 0
     for path in files:
         try:
-            load_config(path)
+            cfg = load_config(path)
+            problems = [] if offline else path_problems(cfg)
+            if problems:
+                raise ConfigError(problems, str(path))
             typer.echo(f"{path}: ok")
         except ConfigError as err:
             failed += 1
@@ -170,7 +185,9 @@ def serve(config: Path = ConfigOpt,
         report = check_server(cfg, draft_path=draft_path, faults=tuple(fault), on_line=on_line)
         typer.echo(json.dumps(report, default=str))
         raise typer.Exit(0 if report["status"] == "ready" else 1)
-    serve_forever(cfg, draft_path=draft_path, on_line=on_line)
+    result = serve_forever(cfg, draft_path=draft_path, on_line=on_line)
+    typer.echo(result["message"], err=True)
+    raise typer.Exit(result.get("exit_code", 0))
 
 
 @app.command("outputs")
@@ -221,16 +238,32 @@ def _progress_bar(desc: str, unit: str = "it") -> _Bar:
 
 
 def main() -> None:
-    """Console entry point: an expected failure (any DrafterError: bad input, a missing upstream
-    output, a corrupt shard, a server that would not start...) is its message on stderr and exit
-    code 1, never a traceback; anything else is a bug and keeps its traceback."""
-    from drafter.errors import DrafterError
+    """Console entry point, the one error boundary: an expected failure (any DrafterError: bad
+    input, a missing upstream output, a corrupt shard, a server that would not start...) is one
+    line on stderr and a documented exit code (drafter.errors), its traceback only with --debug;
+    Ctrl-C / SIGTERM exit 130 / 143; anything else is a bug and keeps its traceback."""
+    import click
+
+    from drafter.errors import EXIT_INTERRUPTED, DrafterError, describe, exit_code
+    from drafter.serving.session import Terminated
 
     try:
-        app()
+        code = app(standalone_mode=False)
+    except click.exceptions.ClickException as err:  # usage: bad option, missing argument
+        err.show()
+        code = err.exit_code
+    except click.exceptions.Abort as err:  # click's wrapper of KeyboardInterrupt
+        cause = err.__cause__ or err.__context__
+        typer.echo("interrupted", err=True)
+        code = cause.exit_code if isinstance(cause, Terminated) else EXIT_INTERRUPTED
     except DrafterError as err:
-        typer.echo(f"error ({type(err).__name__}): {err}", err=True)
-        sys.exit(1)
+        if _DEBUG:
+            import traceback
+
+            traceback.print_exc()
+        typer.echo(describe(err), err=True)
+        code = exit_code(err)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

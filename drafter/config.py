@@ -156,6 +156,8 @@ class DataConfig(Strict):
     max_eval: int | None = OutputField(None, ge=1)
     limit: int | None = OutputField(None, ge=1, description="keep at most this many conversations in total")
     seed: int = OutputField(0)
+    allow_empty: bool = OperationalField(
+        False, description="commit a corpus with no conversation kept (otherwise EmptyOutput names the reasons)")
 
     @model_validator(mode="after")
     def _bounds(self) -> "DataConfig":
@@ -180,6 +182,8 @@ class DatagenConfig(Strict):
                               "connections) counts as down: the stage stops, keeping its finished shards")
     backoff_base_s: float = OperationalField(1.0, gt=0, description="first retry waits up to this long (full jitter)")
     backoff_max_s: float = OperationalField(30.0, gt=0, description="cap of the exponential retry backoff")
+    allow_empty: bool = OperationalField(
+        False, description="commit even when no train conversation could be generated (otherwise EmptyOutput)")
 
     @field_validator("server_urls")
     @classmethod
@@ -444,6 +448,12 @@ class LifecycleConfig(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "LifecycleConfig":
+        vocab = self.target.resolved_shape()["vocab_size"]
+        if "draft_vocab_size" not in self.train.model_fields_set and vocab is not None \
+                and vocab < self.train.draft_vocab_size:
+            # The default (32000) only fits large vocabularies: a smaller target drafts over all of
+            # its vocabulary unless told otherwise (a serve-only profile needs no train fields).
+            self.train.draft_vocab_size = vocab
         problems = cross_field_problems(self)
         if problems:
             # One line per problem, "field: message"; `_problems` splits them back into fields.
@@ -527,14 +537,45 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Li
     if not path.is_file():
         raise ConfigError([("<file>", f"no such file: {path}")], str(path))
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError([("<file>", f"not UTF-8 text (byte {err.start}: {err.reason}); "
+                                      f"is this a YAML profile?")], str(path)) from None
     except yaml.YAMLError as err:
-        raise ConfigError([("<yaml>", str(err))], str(path)) from None
+        raise ConfigError([("<yaml>", " ".join(str(err).split()))], str(path)) from None
+    except OSError as err:
+        raise ConfigError([("<file>", f"cannot read: {err.strerror}")], str(path)) from None
     if not isinstance(data, dict):
         raise ConfigError([("<root>", "the file must hold a mapping")], str(path))
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value)
     return parse_config(data, str(path))
+
+
+def path_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
+    """Local paths the configuration needs that do not exist here (`config validate` reports
+    them; `--offline` skips this on a machine without the data). A target that is not local
+    (a hub id like `org/name`) is left to the engine."""
+    problems: list[tuple[str, str]] = []
+
+    def need(field: str, path: str | None, kind: str = "path") -> None:
+        if path is None:
+            return
+        p = Path(path).expanduser()
+        ok = p.is_dir() if kind == "directory" else p.is_file() if kind == "file" else p.exists()
+        if not ok:
+            problems.append((field, f"no such {kind}: {path}"))
+
+    target = cfg.target.path
+    looks_local = target.startswith(("/", ".", "~")) or Path(target).parent.is_dir() or "/" not in target
+    if cfg.target.demo is None and looks_local:  # a demo target is built by `drafter demo-target`
+        need("target.path", target, "directory")
+    for i, src in enumerate(cfg.data.sources):
+        if src.path is not None:
+            need(f"data.sources.{i}.path", src.path, "directory" if src.kind == "hf_disk" else "file")
+    need("serve.draft_path", cfg.serve.draft_path, "directory")
+    need("train.init_from", cfg.train.init_from, "directory")
+    return problems
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

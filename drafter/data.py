@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 from drafter.config import DataSource
+from drafter.errors import DrafterError
 from drafter.hashing import hash_file
 
 # Role names seen in ShareGPT dumps and OpenAI-style rows, mapped to the three chat roles.
@@ -35,8 +36,8 @@ class RowError(ValueError):
         super().__init__(f"{reason}: {detail}" if detail else reason)
 
 
-class SourceError(RuntimeError):
-    """The source itself is unusable (not a row problem)."""
+class SourceError(DrafterError):
+    """The source itself is unusable (not a row problem): fix the file or `data.sources`."""
 
 
 @dataclass
@@ -143,6 +144,8 @@ def _iter_jsonl(path: Path, stats: ReadStats) -> Iterator[Any]:
                 yield json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 yield BadLine("json_decode", str(err)[:200])
+            except RecursionError:  # e.g. a line of 200,000 '[': deeper than any conversation
+                yield BadLine("json_too_deep", f"nested deeper than Python's recursion limit ({len(line)} bytes)")
 
 
 def _load_hf_disk(src: DataSource):
@@ -269,7 +272,17 @@ def normalise_row(raw: Any, default_id: str) -> dict:
         if not content.strip():
             raise RowError("empty_content", mapped)
         messages.append({"role": mapped, "content": content})
+    for text in (conv_id, *(m["content"] for m in messages)):
+        _check_encodable(text)
     return {"id": conv_id, "messages": _shape(messages)}
+
+
+def _check_encodable(text: str) -> None:
+    """JSON allows escapes such as a lone surrogate (\\ud800) that no UTF-8 file can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RowError("invalid_unicode", f"{err.reason} at position {err.start}") from None
 
 
 def _shape(messages: list[dict]) -> list[dict]:

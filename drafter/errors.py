@@ -4,15 +4,34 @@ Every expected failure of a stage derives from `DrafterError`. `retryable` says 
 attempt of the same work can succeed (transient storage or network trouble, a server that crashed,
 stalled or never turned healthy, a server that went down mid-run) or never will (configuration,
 integrity, a missing upstream output). The Prefect tasks ask exactly this, in one predicate
-(`tasks/common.py`), and the CLI prints any `DrafterError` as one clean line.
+(`tasks/common.py`), and the CLI prints any `DrafterError` as one clean line (`describe`) with
+the exit code `exit_code` gives (documented in the README):
+
+    2  configuration or usage error (fix the profile or the command line)
+    3  expected failure that a retry may fix (storage, network, a server start)
+    4  expected failure that a retry will not fix (missing upstream, corrupt object, bad data)
+    130 / 143  interrupted by Ctrl-C / SIGTERM (servers were torn down)
+    1  anything else: a bug, shown with its traceback
 """
 from __future__ import annotations
 
+EXIT_CONFIG = 2
+EXIT_RETRYABLE = 3
+EXIT_FAILED = 4
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
 
 class DrafterError(Exception):
-    """An expected failure. Subclasses set `retryable` (class default; an instance may override)."""
+    """An expected failure. Subclasses set `retryable` (class default; an instance may override)
+    and may set `exit_code` (default: 3 if retryable, else 4)."""
 
     retryable: bool = False
+    exit_code: int | None = None
+
+    def summary(self) -> str:
+        """The message without attachments (log tails): what the CLI prints after `error:`."""
+        return str(self)
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -21,3 +40,19 @@ def is_retryable(exc: BaseException) -> bool:
     if isinstance(exc, DrafterError):
         return bool(exc.retryable)
     return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def exit_code(exc: DrafterError) -> int:
+    if exc.exit_code is not None:
+        return exc.exit_code
+    return EXIT_RETRYABLE if exc.retryable else EXIT_FAILED
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a person (the CLI's stderr, the Prefect run log): the error's type and its
+    summary, with the notes added on the way up (e.g. the server log's path) on the same line."""
+    text = exc.summary() if isinstance(exc, DrafterError) else str(exc)
+    notes = [n for n in getattr(exc, "__notes__", ()) if n]
+    if notes:
+        text += " (" + "; ".join(notes) + ")"
+    return f"error ({type(exc).__name__}): {text}"

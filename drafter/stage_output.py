@@ -26,6 +26,7 @@ from pathlib import Path, PurePath
 
 from pydantic import BaseModel, Field, ValidationError
 
+from drafter.errors import DrafterError
 from drafter.hashing import canonical_json, hash_chunks, hash_file, sha256_hex, short_hash
 from drafter.store import CorruptObject, ObjectNotFound, ObjectStore, StoreError, check_key
 
@@ -58,6 +59,11 @@ def guarded_progress(progress: Progress | None, stage: str) -> Progress | None:
             log.warning("%s progress callback failed (%s); progress reports stop", stage, err)
 
     return report
+
+
+class EmptyOutput(DrafterError):
+    """A stage would commit an output with nothing in it (every row bad, every request failed):
+    an error naming the reasons, unless the configuration allows an empty output."""
 
 
 class ManifestError(StoreError):

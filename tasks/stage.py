@@ -12,6 +12,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.tasks import exponential_backoff
 
 from drafter.config import LifecycleConfig
+from drafter.errors import DrafterError, describe
 from drafter.stages import Stage, StageTable
 from drafter.store import open_store
 from tasks.common import ProgressArtifact, log, retry_retryable
@@ -26,8 +27,13 @@ def stage_task(stage: Stage, table: StageTable) -> Task:
         fps = table.fingerprints(cfg, fingerprints)
         progress = ProgressArtifact(f"{stage.name}-progress", stage.description)
         # Server output never reaches the UI by itself: stream its lines into the run log.
-        result = table.run(stage.name, cfg, open_store(cfg.storage), fingerprints=fps, progress=progress,
-                           on_line=lambda line: logger.info("[server] %s", line))
+        try:
+            result = table.run(stage.name, cfg, open_store(cfg.storage), fingerprints=fps, progress=progress,
+                               on_line=lambda line: logger.info("[server] %s", line))
+        except DrafterError as err:
+            # The CLI's one line, in the run log too (Prefect's own traceback follows it).
+            logger.error("%s: %s", stage.name, describe(err))
+            raise
         if result.skipped:
             logger.info("%s: skipped, output already complete at %s", stage.name, result.uri)
         elif result.manifest is not None:

@@ -28,7 +28,7 @@ def write(tmp_path, data) -> Path:
 
 
 def validate(tmp_path, data):
-    return runner.invoke(app, ["config", "validate", str(write(tmp_path, data))])
+    return runner.invoke(app, ["config", "validate", "--offline", str(write(tmp_path, data))])
 
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
@@ -150,7 +150,7 @@ def test_default_aux_layer_ids_follow_specforge():
 def test_console_script_exit_codes(tmp_path):
     good = write(tmp_path, base())
     drafter = Path(sys.executable).parent / "drafter"
-    ok = subprocess.run([str(drafter), "config", "validate", str(good)], capture_output=True, text=True)
+    ok = subprocess.run([str(drafter), "config", "validate", "--offline", str(good)], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(base(serve={"speculative": {"num_steps": 1}})))

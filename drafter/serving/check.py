@@ -83,8 +83,10 @@ def serve_forever(cfg: LifecycleConfig, draft_path: str | None = None, on_line: 
             if on_ready is not None:
                 on_ready(dict(result))
             serve_until_interrupted(served, poll_s)
-    except KeyboardInterrupt:
-        result.update(status="stopped", message="interrupted; server stopped")
+    except KeyboardInterrupt as err:
+        # The exit code of `drafter serve` says how it ended: 143 after SIGTERM, 130 after Ctrl-C.
+        result.update(status="stopped", message="interrupted; server stopped",
+                      exit_code=getattr(err, "exit_code", 130))
     finally:
         result["phases"] = session.phases
         if session.teardown is not None:

@@ -29,6 +29,9 @@ class ServerStartError(DrafterError):
             setattr(self, key, value)
         self._extra = extra
 
+    def summary(self) -> str:
+        return self.message
+
     def __str__(self) -> str:
         if not self.log_tail:
             return self.message

@@ -43,6 +43,12 @@ def new_log_path(log_dir: str | os.PathLike, engine: str) -> Path:
     return path
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (Prefect's cancellation, `kill`) turned into an interrupt; `exit_code` 143."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Prefect cancels by SIGTERM, whose default action skips `finally`: turn it into a
@@ -52,7 +58,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
         return
 
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Terminated(f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:

@@ -32,7 +32,7 @@ from drafter.formats import DATAGEN as STAGE
 from drafter.formats import PREPARE, SPLITS, error_shard_name, gen_shard_name, load_prepared
 from drafter.openai_client import ChatClient, DatagenServerDown, RequestFailed, ServerPool
 from drafter.serving.session import ServerSession
-from drafter.stage_output import Progress, ShardInfo, StageOutput, StageResult, guarded_progress, to_jsonl
+from drafter.stage_output import EmptyOutput, Progress, ShardInfo, StageOutput, StageResult, guarded_progress, to_jsonl
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore
 from drafter.target_identity import target_identity
@@ -354,9 +354,20 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
         done_before = total - sum(len(s.conversations) for s in todo)
         generate = lambda urls: _run_sync(_generate(out, cfg, todo, urls, progress, done_before, total))
         this_run = _with_servers(cfg, generate, on_line)
-    out.commit(lambda committed: _manifest_meta(cfg, committed, plan, prepare_fingerprint, resumed, this_run),
+    out.commit(lambda committed: _not_empty(cfg, _manifest_meta(cfg, committed, plan, prepare_fingerprint,
+                                                                resumed, this_run)),
                expect=[s.name for s in shards])
     return _result(out, skipped=False)
+
+
+def _not_empty(cfg: LifecycleConfig, meta: dict[str, Any]) -> dict[str, Any]:
+    """The manifest meta, unless no train conversation was generated (then nothing is committed:
+    the error shards stay, so the reasons can be read and a re-run needs no server)."""
+    if meta["generated"] == 0 and not cfg.datagen.allow_empty:
+        raise EmptyOutput(f"datagen generated 0 of {meta['conversations']} train conversations "
+                          f"(errors {meta['errors_by_reason']}); see the errors-*.jsonl shards, or set "
+                          f"datagen.allow_empty: true")
+    return meta
 
 
 def _with_servers(cfg: LifecycleConfig, generate, on_line) -> dict[str, Any]:

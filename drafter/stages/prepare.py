@@ -18,7 +18,7 @@ from drafter.data import ReadStats, RowError, normalise_row, read_source, source
 from drafter.formats import PREPARE as STAGE
 from drafter.formats import SPLITS, split_file
 from drafter.hashing import sha256_hex
-from drafter.stage_output import Progress, StageOutput, StageResult, guarded_progress, to_jsonl
+from drafter.stage_output import EmptyOutput, Progress, StageOutput, StageResult, guarded_progress, to_jsonl
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore
 
@@ -33,6 +33,11 @@ class Prepared:
     eval: list[dict] = field(default_factory=list)
     quarantine: list[dict] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+
+
+def _printable(text: str) -> str:
+    """Text a UTF-8 quarantine file can hold (a lone surrogate becomes its escape)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def source_labels(data: DataConfig) -> list[str]:
@@ -110,13 +115,15 @@ def prepare_conversations(data: DataConfig, progress: Progress | None = None) ->
                 progress(read, None)
             try:
                 conv = normalise_row(raw, default_id=f"{label}-{row_index}")
-            except RowError as err:
-                row = {"source": label, "row_index": row_index, "reason": err.reason,
-                       "detail": str(err)[:200]}
+            except (RowError, ValueError, TypeError, RecursionError) as err:
+                # Any failure of one row quarantines that row, with its reason; never the stage.
+                reason = err.reason if isinstance(err, RowError) else f"unreadable_{type(err).__name__}"
+                row = {"source": label, "row_index": row_index, "reason": reason,
+                       "detail": _printable(str(err)[:200])}
                 if isinstance(raw, dict) and raw.get("id") not in (None, ""):
-                    row["id"] = str(raw["id"])
+                    row["id"] = _printable(str(raw["id"]))
                 out.quarantine.append(row)
-                quarantined[err.reason] += 1
+                quarantined[reason] += 1
                 continue
             messages = conv["messages"]
             if data.max_turns is not None:
@@ -165,6 +172,11 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     if out.is_complete():
         return _result(out, skipped=True)
     prepared = prepare_conversations(cfg.data, progress)
+    meta = prepared.meta
+    if meta["kept"] == 0 and not cfg.data.allow_empty:
+        raise EmptyOutput(f"prepare kept 0 conversations of {meta['read']} rows read (quarantined "
+                          f"{meta['quarantined']}, filtered {meta['filtered']}, {meta['duplicates']} duplicates); "
+                          f"check data.sources, or set data.allow_empty: true")
     done = out.completed_shards()  # a killed earlier run: keep shards that are already identical
     for name, rows in zip(OUTPUT_FILES, (prepared.train, prepared.eval, prepared.quarantine)):
         blob = to_jsonl(rows)
