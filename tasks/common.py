@@ -1,6 +1,8 @@
 """What every stage task shares: the one retry policy, progress artifacts, run logging."""
 from __future__ import annotations
 
+import json
+import os
 import time
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -51,13 +53,29 @@ def log():
     return get_run_logger()
 
 
+def this_run_owns_its_servers():
+    """Context for a stage task: servers it launches record this flow run (and the lifecycle run
+    it belongs to) in their pid files, so the hooks below reap only this run's servers."""
+    from prefect.runtime import flow_run
+
+    from drafter.serving.launcher import owned_by
+
+    try:
+        root = flow_run.root_flow_run_id
+    except Exception:  # no API to ask: the run's own id still identifies it
+        root = None
+    return owned_by(kind="prefect", flow_run_id=flow_run.id, root_flow_run_id=root, pid=os.getpid())
+
+
 def reap_left_servers(flow, flow_run, state) -> None:
-    """on_cancellation / on_crashed hook (it runs in ANOTHER process): kill every server whose pid
-    file is still in the run's log directory, i.e. one the cancelled run could not tear down."""
+    """on_cancellation / on_crashed hook (it runs in ANOTHER process): kill the servers of THIS run
+    (their pid files name it, `this_run_owns_its_servers`) still in the run's log directory, i.e.
+    ones the run could not tear down. Another run's servers, and a foreground `drafter serve`
+    sharing the directory, are left alone."""
     from pathlib import Path
 
     from drafter.config import LifecycleConfig, load_config
-    from drafter.serving.launcher import reap
+    from drafter.serving.launcher import owns, reap
 
     params = flow_run.parameters or {}
     config = params.get("config") or params.get("cfg")
@@ -65,5 +83,11 @@ def reap_left_servers(flow, flow_run, state) -> None:
         cfg = config if isinstance(config, LifecycleConfig) else LifecycleConfig.model_validate(config)
     else:
         cfg = load_config(params.get("profile", "profiles/demo.yaml"))
+    run_id = str(flow_run.id)
     for pid_path in sorted(Path(cfg.serve.log_dir).glob("*.pid.json")):
-        print(f"reaping {pid_path}: {reap(pid_path)}", flush=True)
+        try:
+            owner = json.loads(pid_path.read_text()).get("owner")
+        except (OSError, ValueError):
+            continue
+        if owns(owner, run_id):
+            print(f"reaping {pid_path}: {reap(pid_path)}", flush=True)

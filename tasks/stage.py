@@ -15,7 +15,7 @@ from drafter.config import LifecycleConfig
 from drafter.errors import DrafterError, describe
 from drafter.stages import Stage, StageTable
 from drafter.store import open_store
-from tasks.common import ProgressArtifact, log, retry_retryable
+from tasks.common import ProgressArtifact, log, retry_retryable, this_run_owns_its_servers
 
 
 def stage_task(stage: Stage, table: StageTable) -> Task:
@@ -28,8 +28,9 @@ def stage_task(stage: Stage, table: StageTable) -> Task:
         progress = ProgressArtifact(f"{stage.name}-progress", stage.description)
         # Server output never reaches the UI by itself: stream its lines into the run log.
         try:
-            result = table.run(stage.name, cfg, open_store(cfg.storage), fingerprints=fps, progress=progress,
-                               on_line=lambda line: logger.info("[server] %s", line))
+            with this_run_owns_its_servers():
+                result = table.run(stage.name, cfg, open_store(cfg.storage), fingerprints=fps, progress=progress,
+                                   on_line=lambda line: logger.info("[server] %s", line))
         except DrafterError as err:
             # The CLI's one line, in the run log too (Prefect's own traceback follows it).
             logger.error("%s: %s", stage.name, describe(err))

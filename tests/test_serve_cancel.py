@@ -28,11 +28,13 @@ def hanging_server_config(tmp_path) -> dict:
                   "stall_timeout_s": 600, "startup_timeout_s": 600}}
 
 
-def start_checker(tmp_path) -> subprocess.Popen:
-    """A process running check_server against a server that hangs in CUDA-graph capture."""
+def start_checker(tmp_path, run_id: str = "run-A") -> subprocess.Popen:
+    """A process running check_server, as flow run `run_id`, against a server that hangs in
+    CUDA-graph capture."""
     code = ("import json,sys; from drafter.config import parse_config; "
-            "from drafter.serving.check import check_server; "
-            "check_server(parse_config(json.loads(sys.argv[1])))")
+            "from drafter.serving.check import check_server; from drafter.serving.launcher import owned_by\n"
+            f"with owned_by(kind='prefect', flow_run_id={run_id!r}):\n"
+            "    check_server(parse_config(json.loads(sys.argv[1])))")
     return subprocess.Popen([sys.executable, "-c", code, json.dumps(hanging_server_config(tmp_path))],
                             cwd=ROOT)
 
@@ -81,16 +83,29 @@ def test_sigterm_to_the_run_tears_the_server_down(tmp_path):
     assert not info["path"].exists()
 
 
-def test_cancellation_hook_reaps_a_server_left_by_a_killed_run(tmp_path):
+def test_sigkill_of_the_run_takes_its_server_along(tmp_path):
     checker = start_checker(tmp_path)
     info = wait_for_pid_file(tmp_path)
     wait_for_hang(info)
-    os.kill(checker.pid, signal.SIGKILL)  # no finally runs: the server (own session) survives
+    os.kill(checker.pid, signal.SIGKILL)  # no finally runs; the watchdog sees its pipe close
+    checker.wait(timeout=10)
+    assert wait_gone(info)  # within the watchdog's grace period (10 s) + SIGKILL
+
+
+def test_cancellation_hook_reaps_only_its_own_runs_server(tmp_path):
+    checker = start_checker(tmp_path, run_id="run-A")
+    info = wait_for_pid_file(tmp_path)
+    wait_for_hang(info)
+    os.kill(info["watchdog_pid"], signal.SIGKILL)  # the watchdog dies too: only the hook is left
+    os.kill(checker.pid, signal.SIGKILL)
     checker.wait(timeout=10)
     time.sleep(0.5)
-    assert group_members(info["pgid"], info.get("sid")), "the server should outlive a SIGKILLed run"
-    flow_run = SimpleNamespace(parameters={"config": hanging_server_config(tmp_path) | {
-        "serve": {**hanging_server_config(tmp_path)["serve"], "log_dir": str(tmp_path / "logs")}}})
-    reap_left_servers(None, flow_run, None)
+    assert group_members(info["pgid"], info.get("sid")), "nothing else stops this server"
+    params = {"config": hanging_server_config(tmp_path) | {
+        "serve": {**hanging_server_config(tmp_path)["serve"], "log_dir": str(tmp_path / "logs")}}}
+    reap_left_servers(None, SimpleNamespace(id="run-B", parameters=params), None)  # another run's hook
+    time.sleep(0.5)
+    assert group_members(info["pgid"], info.get("sid")) and info["path"].exists()
+    reap_left_servers(None, SimpleNamespace(id="run-A", parameters=params), None)
     assert wait_gone(info)
     assert not info["path"].exists()

@@ -127,6 +127,7 @@ def wait_until_ready(server: ServerProcess, engine: Engine, spec: LaunchSpec, st
     HealthCheckTimeout. The caller owns teardown (use `with launch(...)`)."""
     deadline = server.started_at + startup_timeout_s
     failing: dict[str, str] = dict.fromkeys(CHECKS, "not tried")
+    http_up = False  # the HTTP server answered (any status): from then on only the deadline applies
     with make_client(spec) as client:
         while True:
             code = server.poll()
@@ -138,8 +139,9 @@ def wait_until_ready(server: ServerProcess, engine: Engine, spec: LaunchSpec, st
             now = time.monotonic()
             phase, quiet = server.phase, server.seconds_since_progress()
             budget = phase_budget(engine, phase, stall_timeout_s, phase_budgets)
-            # Once the server logged its ready line, only the HTTP gate and its deadline remain.
-            if quiet > budget and not server.ready_line_seen:
+            # Once the server logged its ready line, or its HTTP server answers (a 503 "not ready"
+            # is an answer, not a hang), only the HTTP gate and its deadline remain.
+            if quiet > budget and not server.ready_line_seen and not http_up:
                 raise ServerStalled(
                     f"{engine.name} made no log progress for {quiet:.1f}s in phase {phase!r} "
                     f"(budget {budget:.1f}s); last line: {server.last_line.strip()[:200]!r}",
@@ -157,6 +159,7 @@ def wait_until_ready(server: ServerProcess, engine: Engine, spec: LaunchSpec, st
             failing, sample = probe(client, spec, generate_timeout_s)
             if not failing:
                 break
+            http_up |= "health" not in failing or failing["health"].startswith("HTTP ")
             time.sleep(poll_s)
 
         seconds = round(time.monotonic() - server.started_at, 3)

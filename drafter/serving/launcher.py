@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import collections
+import contextvars
 import datetime as dt
+import hashlib
 import errno
 import json
 import os
@@ -25,11 +27,14 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from drafter.config import LifecycleConfig
+from drafter.serving import procs
 from drafter.serving.engines import Engine, LaunchSpec
 from drafter.serving.errors import ServerConfigError, TeardownError
 
@@ -38,6 +43,21 @@ _MAX_LINE = 1 << 20
 
 # Environment variable names whose values never go into the saved launch file.
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL", re.IGNORECASE)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (launch details, pid files, server logs)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file keeps its mode otherwise
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def open_private(path: Path):
+    """Open a log file for appending, owner-only, line-buffered."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "a", encoding="utf-8", buffering=1)
 
 
 def launch_file(log_path: str | os.PathLike) -> Path:
@@ -55,89 +75,40 @@ def _now_iso() -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# /proc helpers: who is still in the server's process group or session
+# The server's processes (drafter.serving.procs) and the run that owns them
 # --------------------------------------------------------------------------------------------
 
-def _proc_stat(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command name (state is [0], pgrp [2], session [3],
-    starttime [19]); None when the process is gone."""
+_start_ticks = procs.start_ticks
+
+
+def group_members(pgid: int, sid: int | None = None, tag: str | None = None) -> list[int]:
+    """Live processes of a server: its group, its session, or carrying its tag (procs.members)."""
+    return procs.members(pgid, sid, tag)
+
+
+# Who launched the servers started in this context: the Prefect tasks set the flow run
+# (`owned_by`), so the flows' hooks reap only their own run's servers; otherwise this process.
+_owner: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("drafter_run_owner", default=None)
+
+
+@contextmanager
+def owned_by(**owner: Any) -> Iterator[None]:
+    token = _owner.set({k: (str(v) if v is not None else None) for k, v in owner.items()})
     try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rindex(")") + 2:].split()
-
-
-def _start_ticks(pid: int) -> int | None:
-    st = _proc_stat(pid)
-    return int(st[19]) if st else None
-
-
-def group_members(pgid: int, sid: int | None = None) -> list[int]:
-    """Live (non-zombie) processes in process group `pgid` or session `sid`.
-
-    The session catches a child that moved itself into a new process group; zombies hold no
-    memory or ports, so they do not count as left behind."""
-    if not os.path.isdir("/proc"):
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except (ProcessLookupError, PermissionError):
-            return []
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        st = _proc_stat(int(entry))
-        if st is None or st[0] in ("Z", "X"):
-            continue
-        if int(st[2]) == pgid or (sid is not None and int(st[3]) == sid):
-            out.append(int(entry))
-    return sorted(out)
-
-
-def _signal_all(pgid: int, members: list[int], sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid in members:  # session members that left the group
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _terminate(pgid: int, sid: int | None, grace_s: float, kill_wait_s: float,
-               reap_leader: Callable[[], None] = lambda: None) -> tuple[list[str], list[int]]:
-    """SIGTERM the group, wait `grace_s`, SIGKILL what is left, wait `kill_wait_s`.
-    Returns (signals sent, pids still alive)."""
-    sent: list[str] = []
-
-    def wait(seconds: float) -> list[int]:
-        deadline = time.monotonic() + seconds
-        while True:
-            reap_leader()
-            left = group_members(pgid, sid)
-            if not left or time.monotonic() >= deadline:
-                return left
-            time.sleep(0.05)
-
-    left = group_members(pgid, sid)
-    if not left:
-        return sent, []
-    try:
-        _signal_all(pgid, left, signal.SIGTERM)
-        sent.append("SIGTERM")
-        left = wait(grace_s)
+        yield
     finally:
-        # Even when interrupted (a second Ctrl-C) nothing of the server may survive.
-        if left:
-            _signal_all(pgid, group_members(pgid, sid), signal.SIGKILL)
-            sent.append("SIGKILL")
-    if "SIGKILL" in sent:
-        left = wait(kill_wait_s)
-    return sent, left
+        _owner.reset(token)
+
+
+def current_owner() -> dict[str, Any]:
+    return _owner.get() or {"kind": "process", "pid": str(os.getpid())}
+
+
+def owns(owner: Mapping[str, Any] | None, run_id: str) -> bool:
+    """Does the run `run_id` own a server whose pid file records `owner`? (a stage's subflow run,
+    or the lifecycle run it belongs to)."""
+    owner = owner or {}
+    return run_id in (owner.get("flow_run_id"), owner.get("root_flow_run_id"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,6 +233,77 @@ def _python_module_missing(spec: LaunchSpec) -> str | None:
     return None if res.returncode == 0 else f"python module {argv[2]!r} not found for {argv[0]}"
 
 
+def port_in_use(spec: LaunchSpec) -> str:
+    """Say who holds the port: one of our servers (its pid file, its run, how to reap it) or
+    another process (its pid and command line, where /proc shows them)."""
+    msg = f"port {spec.port} on {spec.host} is already in use"
+    for path, info in _pid_files(spec.log_dir, spec.port):
+        if procs.alive(info.get("pid"), info.get("start_ticks")):
+            return (f"{msg} by our {info.get('engine')} server pid {info['pid']}, launched by "
+                    f"{_owner_text(info)} (pid file {path}; stop it with "
+                    f"`python -m drafter.serving.launcher reap {path}`)")
+    holders = procs.port_holders(spec.port)
+    if holders:
+        return f"{msg} by " + ", ".join(procs.describe_pid(p) for p in holders)
+    return f"{msg} (by a process of another user, or outside this machine's /proc)"
+
+
+def _owner_text(info: Mapping[str, Any]) -> str:
+    owner = info.get("owner") or {}
+    if owner.get("flow_run_id"):
+        return f"flow run {owner['flow_run_id']}"
+    running = procs.alive(info.get("launcher_pid"), info.get("launcher_start_ticks"))
+    return f"pid {info.get('launcher_pid')} ({'running' if running else 'gone'})"
+
+
+def _pid_files(log_dir: str | os.PathLike | None, port: int | None = None) -> list[tuple[Path, dict]]:
+    """Our pid files in `log_dir` (for `port` only, if given), parsed; unreadable ones skipped."""
+    out = []
+    for path in sorted(Path(log_dir or ".").glob("*.pid.json")):
+        try:
+            info = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if port is None or info.get("port") == port:
+            out.append((path, info))
+    return out
+
+
+def _argv_digest(argv: list[str]) -> str:
+    return hashlib.sha256("\0".join(argv).encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def really_ours(info: Mapping[str, Any]) -> bool:
+    """Is the process a pid file names still the one we launched: same pid, same start time,
+    same command line? (a pid the kernel handed to someone else is never touched)."""
+    pid = info.get("pid")
+    if not procs.alive(pid, info.get("start_ticks")) or info.get("start_ticks") is None:
+        return False
+    argv = procs.cmdline(pid)
+    return argv is not None and _argv_digest(argv) == info.get("argv_sha256")
+
+
+def reap_stale(log_dir: str | os.PathLike | None, port: int) -> list[str]:
+    """Before a launch on `port`: pid files of ours whose launcher is gone. A server that is still
+    really ours (pid + start time + command line) is reaped; a file whose server is gone is
+    removed. A server whose launcher still runs is left alone (preflight names it). Returns what
+    was done, one line each."""
+    notes = []
+    for path, info in _pid_files(log_dir, port):
+        if procs.alive(info.get("launcher_pid"), info.get("launcher_start_ticks")):
+            continue
+        if really_ours(info):
+            result = reap(path)
+            notes.append(f"reaped a server left by a dead run on port {port}: pid {info['pid']} "
+                         f"({_owner_text(info)}), pid file {path}"
+                         + ("" if result.get("problems") is None or not result["problems"]
+                            else f"; problems: {'; '.join(result['problems'])}"))
+        elif not procs.alive(info.get("pid"), info.get("start_ticks")):
+            path.unlink(missing_ok=True)
+            notes.append(f"removed a stale pid file (server pid {info.get('pid')} gone): {path}")
+    return notes
+
+
 def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_disk_gb: float = 1.0,
               check_gpus: bool | None = None) -> list[str]:
     """Checks that fail in seconds instead of after a 20-minute start. Raises ONE
@@ -270,7 +312,7 @@ def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_
     notes: list[str] = []
 
     if not port_free(spec.host, spec.port):
-        problems.append(f"port {spec.port} on {spec.host} is already in use")
+        problems.append(port_in_use(spec))
 
     for what, path in (("model path", spec.model_path), ("draft path", spec.draft_path)):
         if path and _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
@@ -376,15 +418,49 @@ class ServerProcess:
         self._eof = threading.Event()
         self._reader: threading.Thread | None = None
         self._log = None
+        self.tag = uuid.uuid4().hex
+        self.owner = current_owner()
+        self._watchdog: subprocess.Popen | None = None
+        self._watch_fd: int | None = None
+
+    def _start_watchdog(self, grace_s: float = 10.0) -> None:
+        """A process outside the server's session that ends the server when this process dies,
+        even by SIGKILL (it reads EOF on a pipe only we hold open; drafter.serving.procs)."""
+        read_fd, write_fd = os.pipe()  # both non-inheritable; pass_fds hands the read end over
+        try:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-m", "drafter.serving.procs", "watch", str(read_fd), str(self.pgid),
+                 str(self.pgid), self.tag, str(grace_s), str(self.pid_path)],
+                pass_fds=(read_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                start_new_session=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+        except BaseException:
+            os.close(write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+        self._watch_fd = write_fd
+
+    def _stop_watchdog(self) -> None:
+        if self._watch_fd is not None:
+            os.close(self._watch_fd)  # EOF: the watchdog finds nothing left and exits
+            self._watch_fd = None
+        if self._watchdog is not None:
+            try:
+                self._watchdog.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._watchdog.kill()
+                self._watchdog.wait()
 
     # ---- start ---------------------------------------------------------------------------
     def start(self) -> "ServerProcess":
         if self.proc is not None:
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.launch_path.write_text(json.dumps(launch_record(self.spec), indent=2))
+        write_private(self.launch_path, json.dumps(launch_record(self.spec), indent=2))
         self.gpu_baseline = gpu_state(self.spec.env)
-        self._log = open(self.log_path, "a", encoding="utf-8", buffering=1)
+        # Every descendant inherits the tag: teardown finds a child that left the session.
+        self.spec.env = {**self.spec.env, procs.TAG_VAR: self.tag}
+        self._log = open_private(self.log_path)
         try:
             # Own session: Prefect's worker kills the run's process group on cancellation, and a
             # server outside it survives; we kill it ourselves (finally / reap via the pid file).
@@ -401,11 +477,15 @@ class ServerProcess:
         self._reader = threading.Thread(target=self._read, name=f"{self.spec.engine}-log", daemon=True)
         self._reader.start()
         try:
-            self.pid_path.write_text(json.dumps({
-                "pid": self.proc.pid, "pgid": self.pgid, "sid": self.proc.pid,
+            self._start_watchdog()
+            write_private(self.pid_path, json.dumps({
+                "pid": self.proc.pid, "pgid": self.pgid, "sid": self.proc.pid, "tag": self.tag,
                 "start_ticks": _start_ticks(self.proc.pid), "argv": self.spec.argv,
+                "argv_sha256": _argv_digest(self.spec.argv),
                 "started_at": _now_iso(), "engine": self.spec.engine, "host": self.spec.host,
                 "port": self.spec.port, "log_path": str(self.log_path), "launcher_pid": os.getpid(),
+                "launcher_start_ticks": _start_ticks(os.getpid()), "owner": self.owner,
+                "watchdog_pid": self._watchdog.pid if self._watchdog else None,
                 "gpu_baseline": self.gpu_baseline,
                 "cuda_visible_devices": self.spec.env.get("CUDA_VISIBLE_DEVICES"),
             }, indent=2))
@@ -521,8 +601,8 @@ class ServerProcess:
         t0 = time.monotonic()
         report = TeardownReport()
         try:
-            report.signals, report.remaining_pids = _terminate(
-                self.pgid, self.pgid, grace_s, kill_wait_s, reap_leader=self.proc.poll)
+            report.signals, report.remaining_pids = procs.terminate(
+                self.pgid, self.pgid, grace_s, kill_wait_s, self.tag, reap_leader=self.proc.poll)
         finally:
             try:
                 self.proc.wait(timeout=kill_wait_s)
@@ -536,6 +616,8 @@ class ServerProcess:
             with self._lock:
                 if self._log is not None:
                     self._log.close()
+            if not report.remaining_pids:
+                self._stop_watchdog()
         _verify_released(report, self.spec.host, self.spec.port, port_timeout_s,
                          self.gpu_baseline, self.spec.env, gpu_timeout_s, gpu_tolerance_mib)
         report.seconds = round(time.monotonic() - t0, 3)
@@ -564,7 +646,9 @@ def _verify_released(report: TeardownReport, host: str, port: int, port_timeout_
         report.problems.append(f"processes still alive after SIGKILL: {report.remaining_pids}")
     report.port_released = _wait_port(host, port, port_timeout_s)
     if not report.port_released:
-        report.problems.append(f"port {port} still in use {port_timeout_s:.0f}s after stop")
+        holders = procs.port_holders(port)
+        by = (" by " + ", ".join(procs.describe_pid(p) for p in holders)) if holders else ""
+        report.problems.append(f"port {port} still in use{by} {port_timeout_s:.0f}s after stop")
     report.gpu_released, gpu_problem = wait_gpu_release(gpu_baseline, env, gpu_timeout_s, gpu_tolerance_mib)
     if gpu_problem:
         report.problems.append(gpu_problem)
@@ -617,28 +701,35 @@ def reap(pid_path: str | os.PathLike, grace_s: float = 10.0, kill_wait_s: float 
          port_timeout_s: float = 10.0, gpu_timeout_s: float = 60.0) -> dict[str, Any]:
     """Kill a server left behind by a cancelled run, from any process (e.g. Prefect's
     on_cancellation hook, which runs elsewhere). Safe to call twice or on a stale file."""
+    t0 = time.monotonic()
     path = Path(pid_path)
     try:
         info = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         return {"reaped": False, "reason": f"no usable pid file: {err}"}
-    pgid, sid, pid = info["pgid"], info.get("sid"), info["pid"]
+    pgid, sid, pid, tag = info["pgid"], info.get("sid"), info["pid"], info.get("tag")
     ticks = _start_ticks(pid)
+    leader_reused = ticks is not None and info.get("start_ticks") is not None and ticks != info["start_ticks"]
     # The leader's pid can only be reused once its whole group is gone (the kernel does not
-    # hand out a pid still used as a pgid), so a different process there means nothing is left.
-    if ticks is not None and info.get("start_ticks") is not None and ticks != info["start_ticks"]:
+    # hand out a pid still used as a pgid); processes carrying the tag are ours whatever pid.
+    left_now = procs.members(pgid, sid, tag) if not leader_reused else procs.members(-1, None, tag)
+    if not left_now:
+        holders = procs.port_holders(info["port"])
+        if holders:  # nothing of ours found, yet something listens: say so, never "gone"
+            return {"reaped": False, "reason": f"no process of this server found, but port {info['port']} is "
+                                               f"held by " + ", ".join(procs.describe_pid(p) for p in holders),
+                    "problems": [f"port {info['port']} still in use"]}
         path.unlink(missing_ok=True)
-        return {"reaped": False, "reason": "server already gone (pid reused)"}
-    if not group_members(pgid, sid):
-        path.unlink(missing_ok=True)
-        return {"reaped": False, "reason": "server already gone"}
-    signals, left = _terminate(pgid, sid, grace_s, kill_wait_s)
+        return {"reaped": False, "reason": "server already gone" + (" (pid reused)" if leader_reused else "")}
+    signals, left = procs.terminate(pgid if not leader_reused else -1, sid if not leader_reused else None,
+                                    grace_s, kill_wait_s, tag)
     report = TeardownReport(signals=signals, remaining_pids=left)
     env = dict(os.environ)
     if info.get("cuda_visible_devices") is not None:
         env["CUDA_VISIBLE_DEVICES"] = info["cuda_visible_devices"]
     _verify_released(report, info.get("host", "127.0.0.1"), info["port"], port_timeout_s,
                      info.get("gpu_baseline"), env, gpu_timeout_s)
+    report.seconds = round(time.monotonic() - t0, 3)
     if report.ok:
         path.unlink(missing_ok=True)
     return {"reaped": True, **report.to_dict()}

@@ -27,7 +27,7 @@ from drafter.config import LifecycleConfig
 from drafter.serving.engines import check_speculative_settings, make_engine
 from drafter.serving.errors import ServerConfigError, TeardownError
 from drafter.serving.gate import wait_until_ready
-from drafter.serving.launcher import OnLine, ServerProcess, TeardownReport, launch_file, preflight
+from drafter.serving.launcher import OnLine, ServerProcess, TeardownReport, launch_file, preflight, reap_stale
 
 log = logging.getLogger("drafter.serving")
 
@@ -129,7 +129,11 @@ class ServerSession:
             stack.enter_context(sigterm_as_interrupt())  # a cancelled run (SIGTERM) still tears down
             spec = engine.build_launch(cfg, self.draft_path, self.log_path.parent, faults=self.faults)
             self.base_url = spec.base_url
-            self.notes = preflight(spec, cfg)
+            # A server of ours whose run died (pid file, launcher gone) would hold the port.
+            stale = reap_stale(spec.log_dir, spec.port)
+            for note in stale:
+                log.warning("%s", note)
+            self.notes = stale + preflight(spec, cfg)
             for note in self.notes:
                 log.info("%s preflight: %s", engine.name, note)
             self.process = ServerProcess(spec, engine, self.log_path, self.on_line).start()
@@ -148,6 +152,8 @@ class ServerSession:
                                 settings_mismatch=mismatch, sample=report.sample, notes=list(self.notes),
                                 process=self.process)
         except BaseException as err:
+            if self.process is not None and isinstance(err, Exception):
+                err.add_note(f"server log: {self.log_path}")
             self._close(err)
             raise
 
