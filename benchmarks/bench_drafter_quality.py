@@ -59,11 +59,20 @@ def profile(args, target_dir: Path, corpus: Path) -> dict:
         "train": {"draft_vocab_size": 4096 if gpu else 512, "ttt_length": 7 if gpu else 3,
                   "epochs": args.epochs, "learning_rate": 3e-4 if gpu else 3e-3, "max_length": 512 if gpu else 128,
                   "tokens_per_micro_batch": 16384 if gpu else 1024, "eval_every_steps": 200,
-                  "save_every_steps": 1000, "device": "cuda" if gpu else "cpu"},
+                  "save_every_steps": 1000, "device": "cuda" if gpu else "cpu",
+                  "compile": gpu, "cuda_graphs": gpu},
         # Record, do not refuse: this benchmark measures the figures the gate would judge.
         "export": {"eval_prompts": args.prompts, "judge_max_new_tokens": args.max_new_tokens,
                    "min_accept_ratio": 0.01, "min_accept_length": 1.0, "device": "cuda" if gpu else "cpu",
                    "formats": ["sglang"]},
+        # --bench: the bench stage on the reference engine (CUDA), this run's export, interleaved rounds
+        "serve": {"engine": "reference", "device": "cuda" if gpu else "cpu", "port": 30177,
+                  "startup_timeout_s": 300, "stall_timeout_s": 120,
+                  "extra_args": [] if gpu else ["--cpu-threads", "1"]},
+        "bench": {"speculative": [{"num_steps": s, "eagle_topk": 1, "num_draft_tokens": s + 1}
+                                  for s in args.bench_steps],
+                  "batch_sizes": [1], "num_prompts": args.bench_prompts, "max_tokens": args.bench_max_tokens,
+                  "repeats": args.bench_repeats},
         "storage": {"root": f"file://{args.work}/store"},
     }
 
@@ -79,7 +88,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--steps", default="1,3,5", help="draft steps to judge at (topk 1)")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--bench", action="store_true", help="then run the bench stage (baseline vs --bench-steps)")
+    ap.add_argument("--bench-steps", default="3,1", help="draft steps of the swept settings (topk 1, steps + 1 tokens)")
+    ap.add_argument("--bench-prompts", type=int, default=16)
+    ap.add_argument("--bench-max-tokens", type=int, default=128)
+    ap.add_argument("--bench-repeats", type=int, default=3)
     args = ap.parse_args()
+    args.bench_steps = [int(s) for s in args.bench_steps.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
     emit = lambda: (args.out / "quality.json").write_text(json.dumps(results, indent=2, default=str))
@@ -119,6 +134,13 @@ def main() -> None:
                                     "per_position": judge["per_position"], "predicted": judge["predicted"],
                                     "by_output_length": judge["by_output_length"], "summary": list(export.summary)}
         print("judged", steps, results["judged"][steps], flush=True)
+        emit()
+    if args.bench:  # the export it benches is the one judged at the profile's own judge_num_steps
+        t = time.monotonic()
+        bench = TABLE.run("bench", cfg, store, fingerprints=TABLE.fingerprints(cfg))
+        results["bench"] = {"seconds": round(time.monotonic() - t, 1), "summary": list(bench.summary),
+                            "table": bench.table, "meta": bench.meta}
+        print("bench", results["bench"]["summary"], flush=True)
         emit()
     results["total_seconds"] = round(time.monotonic() - t0, 1)
     emit()
