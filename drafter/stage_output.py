@@ -27,7 +27,7 @@ from pathlib import Path, PurePath
 from pydantic import BaseModel, Field, ValidationError
 
 from drafter.errors import DrafterError
-from drafter.hashing import canonical_json, hash_chunks, hash_file, sha256_hex, short_hash
+from drafter.hashing import CHUNK, canonical_json, hash_file, sha256_hex, short_hash
 from drafter.store import CorruptObject, ObjectNotFound, ObjectStore, StoreError, check_key
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,15 @@ def fingerprint(stage: str, config: dict, upstream: Iterable[str] = (),
     payload = {"stage": stage, "config": config, "upstream": list(upstream),
                 "format_version": format_version}
     return short_hash(canonical_json(payload))
+
+
+def _file_chunks(name: str, path: os.PathLike) -> Iterable[bytes]:
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(CHUNK):
+                yield chunk
+    except OSError as e:
+        raise StoreError(f"shard {name}: cannot read {path}: {e}") from e
 
 
 # ---- JSONL shards (prepare, datagen)
@@ -279,9 +288,11 @@ class StageOutput:
 
     # ---- writing
 
-    def write_shard(self, name: str, data: bytes | str | Path, meta: dict | None = None) -> ShardInfo:
-        """Upload one shard, read it back to verify size + sha256, then record its marker.
-        `data`: bytes, str (text, stored UTF-8) or a Path/PathLike to a local file (streamed)."""
+    def write_shard(self, name: str, data: bytes | str | Path | Iterable[bytes | memoryview],
+                    meta: dict | None = None) -> ShardInfo:
+        """Upload one shard, hashed while it is written and checked against what the store committed
+        (`ObjectStore.put_stream`), then record its marker. `data`: bytes, str (text, stored UTF-8), a
+        Path/PathLike to a local file (streamed) or an iterable of byte chunks (streamed)."""
         self._check_name(name)
         self._uncommit_for_repair()
         key = self.key(name)
@@ -290,19 +301,14 @@ class StageOutput:
         if isinstance(data, str):
             data = data.encode("utf-8")
         if isinstance(data, (bytes, bytearray, memoryview)):
-            data = bytes(data)
-            size, sha = len(data), sha256_hex(data)
-            self.store.put_bytes(key, data)
+            chunks: Iterable = [data]
         elif isinstance(data, os.PathLike):
-            try:
-                size, sha = hash_file(data)
-            except OSError as e:
-                raise StoreError(f"shard {name}: cannot read {data}: {e}") from e
-            self.store.put_file(key, data)
+            chunks = _file_chunks(name, data)
+        elif isinstance(data, Iterable):
+            chunks = data
         else:
-            raise TypeError(f"shard data must be bytes, str or a Path, not {type(data).__name__}")
-        self._verify(key, ShardInfo(name=name, size=size, sha256=sha),
-                     *hash_chunks(self.store.iter_chunks(key)), when="after upload")
+            raise TypeError(f"shard data must be bytes, str, a Path or byte chunks, not {type(data).__name__}")
+        size, sha = self.store.put_stream(key, chunks)
         info = ShardInfo(name=name, size=size, sha256=sha, meta=meta or {})
         self.store.put_bytes(self._marker_key(name), info.model_dump_json().encode())
         return info

@@ -3,7 +3,14 @@
 Keys are relative to the store root and always use "/" ("prepare/ab12/train.jsonl"). Both backends
 guarantee that an object is either absent or complete under its final name: FileStore writes a temp
 file next to the target and renames it, S3 makes an object visible only once its upload finished.
-Integrity (sha256) is checked one level up, in `drafter.stage_output`.
+Integrity (sha256) is recorded and checked on read one level up, in `drafter.stage_output`.
+
+`put_stream` is the verified write: it hashes the bytes while writing them (one pass, no read-back)
+and checks the committed object where the backend can vouch for it: FileStore checks that the name
+now points at the very file it wrote (same inode, same size); S3Store sends each part's SHA256
+(`x-amz-checksum-sha256`, which S3, MinIO and Ceph check against the bytes they received) and checks
+the checksum and size the server recorded for the finished object (HEAD, ChecksumMode=ENABLED). A
+backend that cannot vouch (a server that records no checksum) is read back and hashed instead.
 
 Retries on S3 come in two layers, on purpose:
 - botocore's own retry loop ("standard" mode, `max_attempts` HTTP attempts per request, exponential
@@ -15,21 +22,25 @@ Retries on S3 come in two layers, on purpose:
 """
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import io
 import logging
 import os
 import tempfile
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from drafter.backoff import backoff_delay
 from drafter.config import StorageConfig
 from drafter.errors import DrafterError
-from drafter.hashing import CHUNK
+from drafter.hashing import CHUNK, hash_chunks
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +124,37 @@ class ObjectStore(ABC):
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
+
+    # Parallel range reads a reader may issue against one object (S3: the transfer concurrency).
+    read_concurrency = 1
+
+    def put_stream(self, key: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
+        """Write the concatenated `chunks` under `key`; return (size, sha256 hex) of the committed
+        object, hashed while writing and checked against what the backend committed. Backends
+        override this to avoid holding the object in memory and to skip the read-back."""
+        h, parts = hashlib.sha256(), []
+        for chunk in chunks:
+            h.update(chunk)
+            parts.append(bytes(chunk))
+        data = b"".join(parts)
+        self.put_bytes(key, data)
+        self.check_read_back(key, len(data), h.hexdigest())
+        return len(data), h.hexdigest()
+
+    def check_read_back(self, key: str, size: int, sha256: str) -> None:
+        """The slow proof: read the committed object back and hash it."""
+        got_size, got_sha = hash_chunks(self.iter_chunks(key))
+        if (got_size, got_sha) != (size, sha256):
+            raise CorruptObject(key, f"after upload: wrote {size} bytes sha256 {sha256}, the store holds "
+                                     f"{got_size} bytes sha256 {got_sha}", self.uri(key))
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object (fewer if it is shorter)."""
+        return self.get_bytes(key)[start:end]
+
+    def local_path(self, key: str) -> Path | None:
+        """A local file holding the object, readable in place (FileStore), else None."""
+        return None
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
         """{key: size} for keys under prefix. Backends override this with one listing pass."""
@@ -219,9 +261,45 @@ class FileStore(ObjectStore):
         with src, self._os_errors("put", key):
             atomic_write(self._path(key), lambda f: _copy_stream(src, f))
 
+    def put_stream(self, key: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
+        """Hash while writing; then the committed name must be the inode written, with its size
+        (a concurrent writer or a lost rename would show). Where the platform has no inode numbers
+        the file is read back instead."""
+        path = self._path(key)
+        h, written = hashlib.sha256(), {}
+
+        def write(f: BinaryIO) -> None:
+            n = 0
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                f.write(view)
+                h.update(view)
+                n += view.nbytes
+            f.flush()
+            st = os.fstat(f.fileno())
+            written.update(size=n, file=(st.st_dev, st.st_ino, st.st_size))
+
+        with self._os_errors("put", key):
+            atomic_write(path, write)
+            st = os.stat(path)
+        size, sha = written["size"], h.hexdigest()
+        if written["file"][1] == 0:  # no inode numbers here: prove it the slow way
+            self.check_read_back(key, size, sha)
+        elif (st.st_dev, st.st_ino, st.st_size) != written["file"] or st.st_size != size:
+            raise CorruptObject(key, f"after upload: wrote {size} bytes, but {path} is another file "
+                                     f"({st.st_size} bytes): replaced concurrently?", self.uri(key))
+        return size, sha
+
     def get_bytes(self, key: str) -> bytes:
         with self._os_errors("get", key):
             return self._path(key).read_bytes()
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        with self._os_errors("get", key), open(self._path(key), "rb") as f:
+            return os.pread(f.fileno(), max(0, end - start), start)
+
+    def local_path(self, key: str) -> Path | None:
+        return self._path(key)
 
     def get_file(self, key: str, path: str | os.PathLike) -> None:
         with self._os_errors("get", key):
@@ -341,6 +419,8 @@ class S3Store(ObjectStore):
         self.transfer_config = TransferConfig(
             multipart_threshold=multipart_threshold_mb * MiB, multipart_chunksize=multipart_chunk_mb * MiB,
             max_concurrency=max_concurrency, use_threads=True)
+        self.read_concurrency = max_concurrency
+        self._warned_no_checksum = False
 
     def __repr__(self) -> str:
         return f"S3Store({self.uri('')!r}, endpoint_url={self.endpoint_url!r})"
@@ -403,8 +483,91 @@ class S3Store(ObjectStore):
 
         self._retry("put", key, upload)
 
+    def put_stream(self, key: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
+        """One PUT below the multipart threshold, else a multipart upload with up to
+        `max_concurrency` parts in flight. Every request carries the SHA256 of its bytes, which the
+        server checks; the finished object's recorded checksum (the whole object's, or for
+        multipart the composite: sha256 of the parts' digests) and size are then compared with ours."""
+        full = self._full(key)
+        whole = hashlib.sha256()
+        parts = _fixed_parts(chunks, self.transfer_config.multipart_chunksize, whole)
+        head, buffered = [], 0
+        for part in parts:  # read ahead up to the threshold: small objects take one PUT
+            head.append(part)
+            buffered += len(part)
+            if buffered >= self.transfer_config.multipart_threshold:
+                break
+        else:
+            data = b"".join(head)
+            self._retry("put", key, lambda: self.client.put_object(
+                Bucket=self.bucket, Key=full, Body=data, ChecksumAlgorithm="SHA256",
+                ChecksumSHA256=_b64(hashlib.sha256(data).digest())))
+            self._check_committed(key, len(data), whole.hexdigest(), _b64(whole.digest()))
+            return len(data), whole.hexdigest()
+        size, composite = self._multipart(key, full, _chain(head, parts))
+        self._check_committed(key, size, whole.hexdigest(), composite)
+        return size, whole.hexdigest()
+
+    def _multipart(self, key: str, full: str, parts: Iterator[bytes]) -> tuple[int, str]:
+        upload = self._retry("put", key, lambda: self.client.create_multipart_upload(
+            Bucket=self.bucket, Key=full, ChecksumAlgorithm="SHA256"))["UploadId"]
+        window = threading.BoundedSemaphore(self.transfer_config.max_concurrency)
+
+        def send(number: int, body: bytes) -> dict:
+            try:
+                digest = hashlib.sha256(body).digest()
+                resp = self._retry("put", key, lambda: self.client.upload_part(
+                    Bucket=self.bucket, Key=full, UploadId=upload, PartNumber=number, Body=body,
+                    ChecksumAlgorithm="SHA256", ChecksumSHA256=_b64(digest)))
+                return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumSHA256": _b64(digest), "digest": digest}
+            finally:
+                window.release()
+
+        try:
+            size, futures = 0, []
+            with ThreadPoolExecutor(self.transfer_config.max_concurrency, thread_name_prefix="s3-part") as pool:
+                for number, body in enumerate(parts, 1):
+                    window.acquire()  # at most max_concurrency parts in memory
+                    size += len(body)
+                    futures.append(pool.submit(send, number, body))
+                done = [f.result() for f in futures]
+            self._retry("put", key, lambda: self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=full, UploadId=upload,
+                MultipartUpload={"Parts": [{k: p[k] for k in ("PartNumber", "ETag", "ChecksumSHA256")}
+                                           for p in done]}))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
+            raise
+        return size, _b64(hashlib.sha256(b"".join(p["digest"] for p in done)).digest())
+
+    def _check_committed(self, key: str, size: int, sha256: str, checksum: str) -> None:
+        """The committed object must have our size and the checksum the server computed for it."""
+        full = self._full(key)
+        head = self._retry("head", key, lambda: self.client.head_object(
+            Bucket=self.bucket, Key=full, ChecksumMode="ENABLED"))
+        stored = head.get("ChecksumSHA256")
+        if int(head["ContentLength"]) != size:
+            raise CorruptObject(key, f"after upload: wrote {size} bytes, the store holds "
+                                     f"{head['ContentLength']}", self.uri(key))
+        if stored is None:  # the server keeps no checksums: prove it the slow way
+            if not self._warned_no_checksum:
+                self._warned_no_checksum = True
+                log.warning("%s records no SHA256 checksums: uploads are verified by reading them back",
+                            self.endpoint_url or "S3")
+            self.check_read_back(key, size, sha256)
+        elif stored.split("-")[0] != checksum:
+            raise CorruptObject(key, f"after upload: server checksum {stored}, expected {checksum}", self.uri(key))
+
     def get_bytes(self, key: str) -> bytes:
         return b"".join(self.iter_chunks(key))
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        full = self._full(key)
+        return self._retry("get", key, lambda: self.client.get_object(
+            Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}")["Body"].read())
 
     def iter_chunks(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
         """Stream with resume: after a broken connection continue at the byte we reached, pinned to
@@ -490,6 +653,33 @@ class S3Store(ObjectStore):
                 raise StoreError(f"delete under {self.uri(prefix or '')}: {len(resp['Errors'])} keys failed, "
                                  f"e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message')}")
         return len(keys)
+
+
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode("ascii")
+
+
+def _fixed_parts(chunks: Iterable[bytes | memoryview], size: int, whole) -> Iterator[bytes]:
+    """Re-cut a byte stream into parts of exactly `size` bytes (the last one shorter), feeding
+    `whole` (a hash) with every byte on the way."""
+    buf = bytearray()
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        whole.update(view)
+        while view.nbytes:
+            take = min(size - len(buf), view.nbytes)
+            buf += view[:take]
+            view = view[take:]
+            if len(buf) == size:
+                yield bytes(buf)
+                buf.clear()
+    if buf:
+        yield bytes(buf)
+
+
+def _chain(first: list[bytes], rest: Iterator[bytes]) -> Iterator[bytes]:
+    yield from first
+    yield from rest
 
 
 # --------------------------------------------------------------------------------------------------

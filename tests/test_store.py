@@ -121,6 +121,54 @@ def test_large_object_uses_multipart_on_s3(any_store, tmp_path):
             assert head["ETag"].strip('"').endswith("-3"), head["ETag"]
 
 
+def test_put_stream_hashes_while_writing_and_never_reads_back(any_store, monkeypatch):
+    """The verified write: (size, sha256) of what was streamed, committed as is, in one pass (the
+    read paths are disabled while it runs). On S3 the server holds the SHA256 checksums we sent:
+    the whole object's for one PUT, the composite of the part digests for a multipart upload."""
+    small, big = _blob(1000, seed=2), _blob(12 * MiB + 5, seed=3)  # s3 fixture: 5 MB parts -> 3 parts
+    for op in ("iter_chunks", "get_bytes", "get_file", "get_range"):
+        monkeypatch.setattr(any_store, op, lambda *a, **k: pytest.fail("read back"))
+    pieces = [big[i:i + 3 * MiB + 7] for i in range(0, len(big), 3 * MiB + 7)]  # odd chunk sizes
+    assert any_store.put_stream("s/small", [memoryview(small)]) == (1000, hashlib.sha256(small).hexdigest())
+    assert any_store.put_stream("s/big", iter(pieces)) == (len(big), hashlib.sha256(big).hexdigest())
+    monkeypatch.undo()
+    assert any_store.get_bytes("s/small") == small and any_store.get_bytes("s/big") == big
+    assert any_store.get_range("s/big", 5 * MiB - 3, 5 * MiB + 4) == big[5 * MiB - 3:5 * MiB + 4]
+    if isinstance(any_store, S3Store):
+        import base64
+
+        b64 = lambda d: base64.b64encode(d).decode()
+        head = lambda key: any_store.client.head_object(Bucket=any_store.bucket, Key=any_store._full(key),
+                                                        ChecksumMode="ENABLED")
+        assert head("s/small")["ChecksumSHA256"] == b64(hashlib.sha256(small).digest())
+        parts = [big[i:i + 5 * MiB] for i in range(0, len(big), 5 * MiB)]
+        composite = b64(hashlib.sha256(b"".join(hashlib.sha256(x).digest() for x in parts)).digest())
+        assert head("s/big")["ChecksumSHA256"].split("-")[0] == composite
+
+
+def test_s3_committed_object_is_checked_against_the_servers_record(s3_storage_config):
+    """A server checksum that differs from ours is corruption; a server that records none is read
+    back and hashed instead (S3-compatible services without checksum support)."""
+    import base64
+
+    from drafter.store import CorruptObject
+
+    store = open_store(s3_storage_config)
+    data = _blob(2000, seed=4)
+    sha = hashlib.sha256(data).hexdigest()
+    store.put_stream("k", [data])
+    ours = base64.b64encode(hashlib.sha256(data).digest()).decode()
+    with pytest.raises(CorruptObject, match="server checksum"):
+        store._check_committed("k", len(data), sha, "A" * 43 + "=")
+    store._check_committed("k", len(data), sha, ours)
+    with pytest.raises(CorruptObject, match="wrote 1999 bytes, the store holds 2000"):
+        store._check_committed("k", len(data) - 1, sha, ours)
+    store.client.put_object(Bucket=store.bucket, Key=store._full("plain"), Body=data)  # no checksum kept
+    store._check_committed("plain", len(data), sha, "unused")
+    with pytest.raises(CorruptObject, match="after upload"):
+        store._check_committed("plain", len(data), hashlib.sha256(b"other").hexdigest(), "unused")
+
+
 # ---- file:// specifics
 
 
