@@ -112,6 +112,8 @@ def capture_batch(cm: CaptureModel, sequences: list[list[int]]) -> list[tuple[to
     for row, seq in enumerate(sequences):
         ids[row, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
     decoder = cm.model.get_decoder() if hasattr(cm.model, "get_decoder") else cm.model
+    if cm.device.type == "cuda":  # pinned + async: the host does not wait for the device's queue
+        ids = ids.pin_memory().to(cm.device, non_blocking=True)
     out = decoder(input_ids=ids.to(cm.device), use_cache=False, output_hidden_states=True)
     hidden = out.hidden_states
     if len(hidden) != cm.num_layers + 1:

@@ -217,11 +217,16 @@ class DumpConfig(Strict):
     tokens_per_batch: int = OperationalField(8192, ge=8)
     samples_per_shard: int = OutputField(256, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = OutputField("auto")
+    storage_dtype: Literal["model", "float8_e4m3"] = OutputField(
+        "model", description="how hidden states are stored: in the capture dtype (model), or fp8 e4m3 with a "
+                             "float32 scale per token and state (about half the bytes; readers decode to the "
+                             "capture dtype)")
     devices: list[str] = OperationalField(default_factory=lambda: ["auto"],
                                description="one worker per device; 'auto' = every visible GPU, else cpu")
     spool_dir: str | None = OperationalField(
-        None, description="local directory for shards before upload (default: the system temp dir); "
-                          "needs about (upload_queue + upload_threads + 1) x shard size per device")
+        None, description="spool shards to this local directory while they are captured (for shards larger "
+                          "than memory; one more write and read of every byte). Default: shards are held in "
+                          "host memory, about (upload_queue + upload_threads + 1) x shard size per device")
     upload_queue: int = OperationalField(1, ge=1, description="finished shards waiting for upload per device")
     upload_threads: int = OperationalField(2, ge=1, description="shards uploaded (and verified) in parallel per device")
 

@@ -258,7 +258,7 @@ CHILD = textwrap.dedent("""
     from drafter.store import FileStore
 
     cfg_path, store_root, log_path, slow_s = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
-    real_write, real_build = StageOutput.write_shard, dump.build_shard
+    real_write, real_build = StageOutput.write_shard, dump.tokenize_shard
 
     def write_shard(self, name, data, meta=None):
         info = real_write(self, name, data, meta)
@@ -271,7 +271,7 @@ CHILD = textwrap.dedent("""
         time.sleep(slow_s)  # slow enough to be killed mid-run
         return built
 
-    StageOutput.write_shard, dump.build_shard = write_shard, build_shard
+    StageOutput.write_shard, dump.tokenize_shard = write_shard, build_shard
     result = dump.run(load_config(cfg_path), FileStore(store_root), upstream={"prepare": "prep0000"})
     print(result.uri, result.manifest.meta["num_samples"])
 """)
@@ -327,21 +327,21 @@ def test_resume_with_two_cpu_workers(any_store, tmp_path, tiny_target, convs, mo
     expected = run_dump(cfg, reference, "prepare", "prep0000").manifest
 
     fp = put_prepared(any_store, convs[:10])
-    real_build = dump.build_shard
+    real_build = dump.tokenize_shard
 
-    def crash_at_shard_3(cm, plan, index, records, spool, split):
+    def crash_at_shard_3(tokenizer, plan, index, records, split):
         if index == 3:
             raise RuntimeError("simulated crash")
-        return real_build(cm, plan, index, records, spool, split)
+        return real_build(tokenizer, plan, index, records, split)
 
-    monkeypatch.setattr(dump, "build_shard", crash_at_shard_3)
+    monkeypatch.setattr(dump, "tokenize_shard", crash_at_shard_3)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_dump(cfg, any_store, "prepare", fp)
     out = StageOutput(any_store, "dump", expected.fingerprint)
     before = set(out.completed_shards())
     assert before == {shard_name(i) for i in range(3)}  # finished shards were uploaded before failing
 
-    monkeypatch.setattr(dump, "build_shard", real_build)
+    monkeypatch.setattr(dump, "tokenize_shard", real_build)
     written, real_write = [], StageOutput.write_shard
     monkeypatch.setattr(StageOutput, "write_shard",
                         lambda self, name, data, meta=None: written.append(name) or real_write(self, name, data, meta))

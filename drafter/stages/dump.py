@@ -23,16 +23,20 @@ themselves: OperationalField in drafter.config.)
 The reader of this output (drafter.formats.iter_dump_samples) refuses a dump whose layer ids or
 convention differ from what it expects.
 
-Workers: one thread per device, each owning every n-th pending shard with its own model copy, and
-upload threads behind a bounded queue, so the device computes shard i+1 while shard i uploads.
+Workers: one thread per device, each owning every n-th pending shard with its own model copy; per
+device a tokenizer thread works a shard ahead and upload threads behind a bounded queue stream
+finished shards to the store, so the device computes while earlier shards are copied, hashed and
+written (drafter.dump_pipeline).
+
+Storage: `dump.storage_dtype: model` stores the states in the capture dtype (format_version 1);
+`float8_e4m3` stores them in fp8 with a float32 scale per token and state (drafter.fp8, ~half the
+bytes, format_version 2), encoded on the device; readers decode to the capture dtype.
 """
 from __future__ import annotations
 
-import contextvars
 import logging
 import math
 import os
-import queue
 import shutil
 import sys
 import tempfile
@@ -44,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from drafter import capture
+from drafter import capture, dump_pipeline, fp8
 from drafter.config import LAYER_ID_CONVENTION, ConfigError, LifecycleConfig, fingerprint_fields
 from drafter.dtypes import dtype_name
 from drafter.errors import DrafterError
@@ -52,8 +56,8 @@ from drafter.formats import DATAGEN, PREPARE, SPLITS, read_conversations, split_
 from drafter.formats import DUMP as STAGE
 from drafter.formats import hidden_state_shard_name as shard_name
 from drafter.layers import check_aux_layer_ids
-from drafter.shards import (FINAL_HIDDEN, FORMAT, FORMAT_VERSION, NUM_AUX, ShardWriter, bytes_per_token,
-                            storage_projection)
+from drafter.shards import (FINAL_HIDDEN, FORMAT, NUM_AUX, ShardWriter, bytes_per_token, format_version,
+                            storage_label, storage_projection)
 from drafter.stage_output import Progress, ShardInfo, StageOutput, StageResult, guarded_progress
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore
@@ -86,10 +90,13 @@ class DumpPlan:
     def fingerprint(self) -> str:
         dump = fingerprint_fields(self.cfg.dump)
         del dump["aux_layer_ids"], dump["dtype"]  # in their resolved form below
+        storage = dump.pop("storage_dtype")  # the default leaves earlier dumps' fingerprints as they were
+        if storage != "model":
+            dump["storage_dtype"] = storage
         config = {"dump": dump, "dtype": dtype_name(self.dtype), "target": self.target_fingerprint,
                   "tokenizer": self.tokenizer_hash, "chat_template": self.template_hash,
                   "aux_layer_ids": self.aux_layer_ids, "layer_id_convention": LAYER_ID_CONVENTION,
-                  "shard_format": [FORMAT, FORMAT_VERSION], "upstream_stage": self.upstream_stage}
+                  "shard_format": [FORMAT, format_version(storage)], "upstream_stage": self.upstream_stage}
         return stage_fingerprint(STAGE, config, [self.upstream_fingerprint])
 
 
@@ -146,22 +153,28 @@ def _check_record(rec) -> str | None:
 
 
 @dataclass
-class BuiltShard:
-    path: Path
-    meta: dict
+class TokenizedShard:
+    """A shard's samples ready for the device: (id, input_ids, loss_mask), in upstream order."""
+
+    index: int
+    split: str
+    samples: list[tuple[str, list[int], list[int]]]
+    quarantined: list[dict]
+    truncated: int
 
 
-def build_shard(cm: capture.CaptureModel, plan: DumpPlan, index: int, records: list[dict],
-                spool_dir: Path, split: str = "train") -> BuiltShard:
-    """Tokenise, capture in token-budget batches, drop non-finite samples, write the shard file."""
+def tokenize_shard(tokenizer, plan: DumpPlan, index: int, records: list[dict],
+                   split: str = "train") -> TokenizedShard:
+    """Tokenise one shard's records; bad records, template errors and answerless samples are
+    quarantined."""
     dump = plan.cfg.dump
     samples, quarantined, truncated = [], [], 0
-    eot_ids = end_of_turn_ids(cm.tokenizer)  # once per shard, not per sample
+    eot_ids = end_of_turn_ids(tokenizer)  # once per shard, not per sample
     for pos, rec in enumerate(records):
         reason = _check_record(rec)
         if reason is None:
             try:
-                ids, mask = tokenize_conversation(cm.tokenizer, rec["messages"], sys.maxsize, eot_ids)
+                ids, mask = tokenize_conversation(tokenizer, rec["messages"], sys.maxsize, eot_ids)
             except Exception as e:  # a template that rejects this conversation (roles, order)
                 log.warning("sample %s: chat template failed: %s", rec.get("id"), e)
                 reason = "template_error"
@@ -175,99 +188,104 @@ def build_shard(cm: capture.CaptureModel, plan: DumpPlan, index: int, records: l
             quarantined.append({"id": str(rid) if rid is not None else f"#{where}", "reason": reason})
             continue
         samples.append((str(rec["id"]), ids, mask))
+    return TokenizedShard(index, split, samples, quarantined, truncated)
 
-    writer = ShardWriter(spool_dir, metadata={"aux_layer_ids": plan.aux_layer_ids,
-                                              "layer_id_convention": LAYER_ID_CONVENTION})
-    try:
-        batches = capture.plan_batches([len(s[1]) for s in samples], dump.tokens_per_batch)
-        loss_tokens = 0
-        for batch in batches:
-            captured = capture.capture_batch(cm, [samples[j][1] for j in batch])
-            for j, (aux, final) in zip(batch, captured):
-                sid, ids, mask = samples[j]
-                if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
-                    quarantined.append({"id": sid, "reason": "nonfinite"})
-                    continue
-                writer.add(sid, ids, mask, aux, final)
-                loss_tokens += sum(mask)
-        meta = {"index": index, "split": split, "samples": len(writer), "tokens": writer.num_tokens, "loss_tokens": loss_tokens,
-                "truncated": truncated, "quarantined": quarantined, "batches": len(batches),
-                "device": str(cm.device), "tokens_per_batch": dump.tokens_per_batch}
-        h = cm.hidden_size
-        path = writer.finish(spool_dir / shard_name(index, split), empty_like={
-            "input_ids": (torch.int64, ()), "loss_mask": (torch.uint8, ()),
-            "aux_hidden_states": (cm.dtype, (NUM_AUX, h)), "hidden_states": (cm.dtype, (h,))})
-    except BaseException:
-        writer.discard()
-        raise
-    return BuiltShard(path=path, meta=meta)
+
+class ShardBuild:
+    """A shard being captured: batches are settled (copy awaited, non-finite samples quarantined,
+    the rest added to the writer) in plan order, so its bytes do not depend on the pipelining."""
+
+    def __init__(self, cm: capture.CaptureModel, plan: DumpPlan, tok: TokenizedShard, spool_dir: Path | None):
+        dump = plan.cfg.dump
+        self.tok, self.plan, self.cm = tok, plan, cm
+        self.name = shard_name(tok.index, tok.split)
+        self.fp8 = dump.storage_dtype == "float8_e4m3"
+        metadata = {"aux_layer_ids": plan.aux_layer_ids, "layer_id_convention": LAYER_ID_CONVENTION}
+        if self.fp8:
+            metadata["dtype"] = dtype_name(plan.dtype)  # what the fp8 states decode to
+        self.writer = ShardWriter(spool_dir, metadata=metadata)
+        self.batches = capture.plan_batches([len(s[1]) for s in tok.samples], dump.tokens_per_batch)
+        self.settled = self.loss_tokens = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.settled == len(self.batches)
+
+    def settle(self, batch: list[int], host: dump_pipeline.HostBatch) -> None:
+        host.wait()
+        for j, states, bad in host.rows():
+            sid, ids, mask = self.tok.samples[batch[j]]
+            if bad:
+                self.tok.quarantined.append({"id": sid, "reason": "nonfinite"})
+                continue
+            self.writer.add(sid, ids, mask, **states)
+            self.loss_tokens += sum(mask)
+        self.settled += 1
+
+    def meta(self) -> dict:
+        dump = self.plan.cfg.dump
+        return {"index": self.tok.index, "split": self.tok.split, "samples": len(self.writer),
+                "tokens": self.writer.num_tokens, "loss_tokens": self.loss_tokens, "truncated": self.tok.truncated,
+                "quarantined": self.tok.quarantined, "batches": len(self.batches), "device": str(self.cm.device),
+                "tokens_per_batch": dump.tokens_per_batch}
+
+    def empty_like(self) -> dict:
+        h = self.cm.hidden_size
+        state = fp8.STORAGE_DTYPE if self.fp8 else self.cm.dtype
+        shapes = {"input_ids": (torch.int64, ()), "loss_mask": (torch.uint8, ()),
+                  "aux_hidden_states": (state, (NUM_AUX, h)), "hidden_states": (state, (h,))}
+        if self.fp8:
+            shapes.update(aux_scales=(torch.float32, (NUM_AUX,)), hidden_scales=(torch.float32, ()))
+        return shapes
 
 
 # ---- workers
 
 
-def _thread(fn: Callable[[], None], name: str, daemon: bool = False) -> threading.Thread:
-    """A thread that runs in a copy of the caller's context: the progress callback and logging of
-    an orchestrator (Prefect keeps its run context in contextvars) keep working from it."""
-    ctx = contextvars.copy_context()
-    return threading.Thread(target=ctx.run, args=(fn,), name=name, daemon=daemon)
-
-
-class _Uploader:
-    """Uploads finished shard files from background threads, behind a bounded queue: compute blocks
-    when uploads fall behind, so local disk holds at most depth + threads + 1 shards per worker.
-    Several threads: a verified upload reads the file twice and writes it once (hash, put,
-    read-back hash), which on a GPU host is slower than computing the next shard."""
-
-    def __init__(self, out: StageOutput, on_done: Callable[[str], None], depth: int, threads: int):
-        self.out, self.on_done = out, on_done
-        self.error: BaseException | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._threads = [_thread(self._loop, f"dump-upload-{k}", daemon=True) for k in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            name, built = item
-            try:
-                if self.error is None:  # after a failure: only drain and clean up
-                    self.out.write_shard(name, built.path, meta=built.meta)
-                    self.on_done(name)
-            except BaseException as e:
-                self.error = e
-            finally:
-                built.path.unlink(missing_ok=True)
-
-    def put(self, name: str, built: BuiltShard) -> None:
-        if self.error is not None:
-            built.path.unlink(missing_ok=True)
-            raise self.error
-        self._queue.put((name, built))
-
-    def close(self, raise_error: bool = True) -> None:
-        """Wait for the queued shards (finished work is worth keeping), then report a failure."""
-        for _ in self._threads:
-            self._queue.put(None)
-        for t in self._threads:
-            t.join()
-        if raise_error and self.error is not None:
-            raise self.error
-
-
 def _worker(plan: DumpPlan, device: torch.device, jobs: list[tuple[str, int]],
             records: dict[tuple[str, int], list[dict]],
-            out: StageOutput, spool: Path, on_done: Callable[[str], None], stop: threading.Event) -> None:
+            out: StageOutput, spool: Path | None, on_done: Callable[[str], None], stop: threading.Event) -> None:
+    """One device: tokenise ahead (thread), capture batch after batch, settle each batch once the
+    next one is queued on the device, hand finished shards to the upload threads."""
+    dump = plan.cfg.dump
     cm = capture.load_capture_model(plan.cfg.target.path, device, plan.dtype, plan.aux_layer_ids,
                                     plan.cfg.target.trust_remote_code)
-    uploader = _Uploader(out, on_done, plan.cfg.dump.upload_queue, plan.cfg.dump.upload_threads)
+    to_host = dump_pipeline.DeviceToHost(cm.device, dump.storage_dtype)
+    uploader = dump_pipeline.ShardUploader(out, on_done, dump.upload_queue, dump.upload_threads)
+    # The tokenizer thread owns cm.tokenizer (HF fast tokenizers are not thread-safe).
+    tokenized = dump_pipeline.Prefetch(
+        (tokenize_shard(cm.tokenizer, plan, i, records.pop((split, i)), split) for split, i in jobs),
+        depth=1, name=f"dump-tokenize-{device}")
+    in_flight: list[tuple[ShardBuild, list[int], dump_pipeline.HostBatch]] = []
+
+    def settle(keep: int) -> None:
+        while len(in_flight) > keep:
+            build, batch, host = in_flight.pop(0)
+            build.settle(batch, host)
+            if build.complete:
+                uploader.put(build.name, build.writer, build.meta(), build.empty_like())
+
     try:
-        for split, index in jobs:
-            if stop.is_set():
-                break
-            uploader.put(shard_name(index, split),
-                         build_shard(cm, plan, index, records.pop((split, index)), spool, split))
+        try:
+            for tok in tokenized:
+                if stop.is_set():
+                    break
+                build = ShardBuild(cm, plan, tok, spool)
+                if build.complete:  # every sample quarantined before capture
+                    uploader.put(build.name, build.writer, build.meta(), build.empty_like())
+                for batch in build.batches:
+                    captured = capture.capture_batch(cm, [tok.samples[j][1] for j in batch])
+                    in_flight.append((build, batch, to_host(captured)))
+                    del captured
+                    settle(keep=1)  # the batch before this one: its copy ran behind this forward
+        finally:
+            tokenized.close()
+        settle(keep=0)
     except BaseException:
+        try:
+            settle(keep=0)  # shards whose batches all made it to the host are worth keeping
+        except BaseException:
+            pass
         uploader.close(raise_error=False)  # the compute error is the one to report
         raise
     uploader.close()
@@ -313,7 +331,7 @@ def _run_workers(plan: DumpPlan, out: StageOutput, pending: list[tuple[str, int]
         progress(done_before, total)  # a resumed run starts where the last one stopped
     stop = threading.Event()
     errors: list[BaseException] = []
-    spool = _spool_dir(plan.cfg.dump.spool_dir, plan.fingerprint)
+    spool = _spool_dir(plan.cfg.dump.spool_dir, plan.fingerprint) if plan.cfg.dump.spool_dir else None
 
     def run(k: int, device: torch.device) -> None:
         try:
@@ -333,14 +351,16 @@ def _run_workers(plan: DumpPlan, out: StageOutput, pending: list[tuple[str, int]
         if len(devices) == 1:  # no thread: tracebacks and debuggers stay simple
             run(0, devices[0])
         else:
-            threads = [_thread(lambda k=k, d=d: run(k, d), f"dump-{d}") for k, d in enumerate(devices)]
+            threads = [dump_pipeline.thread(lambda k=k, d=d: run(k, d), f"dump-{d}")
+                       for k, d in enumerate(devices)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
     finally:
         torch.set_num_threads(threads_before)
-        shutil.rmtree(spool, ignore_errors=True)
+        if spool is not None:
+            shutil.rmtree(spool, ignore_errors=True)
     if errors:
         raise errors[0]
 
@@ -414,6 +434,7 @@ def summarize(plan: DumpPlan, shards: list[ShardInfo], eval_shards: list[ShardIn
     total_bytes = sum(s.size for s in shards)
     quarantined = [q for s in shards for q in s.meta["quarantined"]]
     dtype = dtype_name(plan.dtype)
+    storage = plan.cfg.dump.storage_dtype
     bpt = total_bytes / tokens if tokens else 0.0
     return {
         "upstream": {"stage": plan.upstream_stage, "fingerprint": plan.upstream_fingerprint},
@@ -422,6 +443,7 @@ def summarize(plan: DumpPlan, shards: list[ShardInfo], eval_shards: list[ShardIn
         "tokenizer_hash": plan.tokenizer_hash,
         "chat_template_hash": plan.template_hash,
         "dtype": dtype,
+        "storage_dtype": storage if storage != "model" else dtype,
         "aux_layer_ids": plan.aux_layer_ids,
         "layer_id_convention": LAYER_ID_CONVENTION,
         "final_hidden_state": FINAL_HIDDEN,
@@ -429,7 +451,7 @@ def summarize(plan: DumpPlan, shards: list[ShardInfo], eval_shards: list[ShardIn
         "num_hidden_layers": plan.num_layers,
         "max_length": plan.cfg.dump.max_length,
         "samples_per_shard": plan.cfg.dump.samples_per_shard,
-        "shard_format": {"name": FORMAT, "version": FORMAT_VERSION},
+        "shard_format": {"name": FORMAT, "version": format_version(storage)},
         "num_shards": len(shards),
         "num_samples": sum(s.meta["samples"] for s in shards),
         "num_tokens": tokens,
@@ -437,8 +459,8 @@ def summarize(plan: DumpPlan, shards: list[ShardInfo], eval_shards: list[ShardIn
         "truncated": sum(s.meta["truncated"] for s in shards),
         "bytes": total_bytes,
         "bytes_per_token": round(bpt, 2),
-        "payload_bytes_per_token": bytes_per_token(plan.hidden_size, dtype),
-        "storage_projection": storage_projection(bpt, tokens, plan.hidden_size, dtype),
+        "payload_bytes_per_token": bytes_per_token(plan.hidden_size, dtype, storage_dtype=storage),
+        "storage_projection": storage_projection(bpt, tokens, plan.hidden_size, storage_label(dtype, storage)),
         "quarantined": {"total": len(quarantined),
                         "by_reason": dict(sorted(Counter(q["reason"] for q in quarantined).items())),
                         "samples": quarantined},
