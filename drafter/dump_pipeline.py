@@ -2,7 +2,7 @@
 the device never waits for the host.
 
 Per device, three kinds of threads work on different shards at once:
-- a tokenizer thread prepares the next shard's samples (`Prefetch`);
+- a tokenizer thread prepares the next shard's samples (drafter.prefetch.Prefetch);
 - the device worker launches each batch's forward, packs the captured states on the device
   (padding removed, fp8-encoded there when asked, a non-finite flag per token) and starts their
   copy into pinned host memory on a side stream (`DeviceToHost`); it only waits for a batch's copy
@@ -13,24 +13,16 @@ device are held (or spooled, with dump.spool_dir).
 """
 from __future__ import annotations
 
-import contextvars
 import queue
-import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from drafter import fp8
+from drafter.prefetch import thread
 from drafter.shards import ShardWriter
 from drafter.stage_output import StageOutput
-
-
-def thread(fn: Callable[[], None], name: str, daemon: bool = False) -> threading.Thread:
-    """A thread that runs in a copy of the caller's context: the progress callback and logging of
-    an orchestrator (Prefect keeps its run context in contextvars) keep working from it."""
-    ctx = contextvars.copy_context()
-    return threading.Thread(target=ctx.run, args=(fn,), name=name, daemon=daemon)
 
 
 @dataclass
@@ -88,50 +80,6 @@ class DeviceToHost:
             event = torch.cuda.Event()
             event.record(self.stream)
         return HostBatch(lengths, host, event)
-
-
-class Prefetch:
-    """Iterate `items` in a background thread, up to `depth` items ahead; errors are re-raised
-    to the consumer at the item where they happened."""
-
-    _END = object()
-
-    def __init__(self, items: Iterable, depth: int, name: str):
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
-        self._stop = threading.Event()
-        self._items = items
-        self._thread = thread(self._run, name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for item in self._items:
-                if not self._put((item, None)):
-                    return
-            self._put((self._END, None))
-        except BaseException as e:
-            self._put((None, e))
-
-    def _put(self, entry) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def __iter__(self) -> Iterator:
-        while True:
-            item, error = self._queue.get()
-            if error is not None:
-                raise error
-            if item is self._END:
-                return
-            yield item
-
-    def close(self) -> None:
-        self._stop.set()
 
 
 class ShardUploader:

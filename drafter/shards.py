@@ -269,6 +269,8 @@ class HiddenStateShard:
         out = {name: self.tensors[name][a:b] for name in self.names}
         if decode:
             decode_states(out, self.decode_dtype)
+        elif self.storage_dtype != "model":
+            out["decode_dtype"] = self.decode_dtype
         out["id"] = self.sample_ids[i]
         return out
 

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from drafter import capture, dump_pipeline, fp8
+from drafter import capture, dump_pipeline, fp8, prefetch
 from drafter.config import LAYER_ID_CONVENTION, ConfigError, LifecycleConfig, fingerprint_fields
 from drafter.dtypes import dtype_name
 from drafter.errors import DrafterError
@@ -253,7 +253,7 @@ def _worker(plan: DumpPlan, device: torch.device, jobs: list[tuple[str, int]],
     to_host = dump_pipeline.DeviceToHost(cm.device, dump.storage_dtype)
     uploader = dump_pipeline.ShardUploader(out, on_done, dump.upload_queue, dump.upload_threads)
     # The tokenizer thread owns cm.tokenizer (HF fast tokenizers are not thread-safe).
-    tokenized = dump_pipeline.Prefetch(
+    tokenized = prefetch.Prefetch(
         (tokenize_shard(cm.tokenizer, plan, i, records.pop((split, i)), split) for split, i in jobs),
         depth=1, name=f"dump-tokenize-{device}")
     in_flight: list[tuple[ShardBuild, list[int], dump_pipeline.HostBatch]] = []
@@ -351,7 +351,7 @@ def _run_workers(plan: DumpPlan, out: StageOutput, pending: list[tuple[str, int]
         if len(devices) == 1:  # no thread: tracebacks and debuggers stay simple
             run(0, devices[0])
         else:
-            threads = [dump_pipeline.thread(lambda k=k, d=d: run(k, d), f"dump-{d}")
+            threads = [prefetch.thread(lambda k=k, d=d: run(k, d), f"dump-{d}")
                        for k, d in enumerate(devices)]
             for t in threads:
                 t.start()

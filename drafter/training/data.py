@@ -1,8 +1,13 @@
 """Streaming the dump's hidden states from the store, and packing them into micro-batches.
 
-Shards are downloaded (sha256-verified, by StageOutput) into a bounded local cache, `prefetch`
-shards ahead of the reader, and deleted once read: the corpus never has to fit on local disk or
-in memory. The order is a pure function of (seed, epoch): shards permuted per epoch, samples
+Shards are fetched `prefetch` shards ahead of the reader, in parallel, and verified (size + sha256,
+hashed as the bytes arrive): from a remote store (S3) with parallel range reads into a bounded local
+cache (deleted once read), from a local store (file://) in place, read once to hash and then
+memory-mapped, never copied. The corpus never has to fit on local disk or in memory.
+
+Packing runs ahead of the trainer on a background thread (`Packer.prefetch` micro-batches): fp8
+shards are decoded there, to the dump's capture dtype. The time the trainer spends waiting for its
+next micro-batch is the reader's data wait (`DumpReader.stats()`, logged when the reader closes). The order is a pure function of (seed, epoch): shards permuted per epoch, samples
 permuted per shard. A `Cursor` (epoch, shard position, sample position) names the next sample to
 read, so a resumed run continues with exactly the batches an uninterrupted one would have seen.
 
@@ -15,27 +20,36 @@ so held-out features can be a separate dump output or eval shards inside the tra
 """
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
 import shutil
 import tempfile
 import threading
-from collections import OrderedDict
+import time
+import uuid
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 # The two imports of the dump format (repoint here if the format module moves).
 from drafter.formats import DumpMismatch, check_dump_manifest, shards_of_split
-from drafter.shards import HiddenStateShard
+from drafter.shards import HiddenStateShard, decode_states
+from drafter.hashing import hash_file
 from drafter.layers import LAYER_ID_CONVENTION
+from drafter.prefetch import Prefetch
 from drafter.stage_output import Manifest, StageOutput
-from drafter.store import ObjectStore
+from drafter.store import CorruptObject, ObjectNotFound, ObjectStore
 from drafter.training.errors import DumpIncompatible
 from drafter.training.ttt import MicroBatch
 
 DUMP_STAGE = "dump"
+RANGE_BYTES = 8 << 20  # one range read of a remote shard
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -98,18 +112,113 @@ class Cursor:
         return cls(int(d["epoch"]), int(d["shard"]), int(d["sample"]))
 
 
-class ShardCache:
-    """Verified local copies of dump shards: at most `capacity` on disk, `prefetch` fetched ahead
-    in a background thread."""
+@dataclass
+class ReadStats:
+    """What the reader did: bytes fetched and verified, and the consumer's data wait."""
 
-    def __init__(self, out: StageOutput, capacity: int = 2, prefetch: int = 1, cache_dir: str | None = None):
+    fetched_bytes: int = 0
+    fetch_s: float = 0.0     # summed over fetch threads
+    wait_s: float = 0.0      # the trainer blocked on its next micro-batch
+    active_s: float = 0.0    # the trainer iterating (first request to the end of its stream)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_fetch(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.fetched_bytes += nbytes
+            self.fetch_s += seconds
+
+    def to_dict(self) -> dict:
+        share = self.wait_s / self.active_s if self.active_s else 0.0
+        return {"fetched_bytes": self.fetched_bytes, "fetch_s": round(self.fetch_s, 3),
+                "wait_s": round(self.wait_s, 3), "active_s": round(self.active_s, 3),
+                "data_wait_share": round(share, 4)}
+
+
+def fetch_verified(out: StageOutput, name: str, dest: Path, threads: int = 8) -> Path:
+    """A committed shard as a local file, its size and sha256 checked: a local store's own file
+    (read once to hash it), else `dest`, downloaded with `threads` parallel range reads and hashed
+    in order as the ranges arrive (no second pass). Raises CorruptObject naming the object."""
+    info = out.manifest.shard(name)
+    key = out.key(name)
+    local = out.store.local_path(key)
+    if local is not None:
+        try:
+            size, sha = hash_file(local)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"get: no such object {out.store.uri(key)}") from None
+        _check(out, key, info, size, sha)
+        return local
+    actual = out.store.size(key)
+    if actual is None:
+        raise ObjectNotFound(f"get: no such object {out.store.uri(key)}")
+    if actual != info.size:
+        _check(out, key, info, actual, "")
+    h, got = hashlib.sha256(), 0
+    tmp = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.truncate(info.size)
+            fd = f.fileno()
+
+            def get(start: int) -> bytes:
+                data = out.store.get_range(key, start, min(start + RANGE_BYTES, info.size))
+                os.pwrite(fd, data, start)
+                return data
+
+            with ThreadPoolExecutor(max(1, threads), thread_name_prefix="dump-range") as pool:
+                window: deque[Future] = deque()
+                for start in range(0, info.size, RANGE_BYTES):
+                    window.append(pool.submit(get, start))
+                    while len(window) > 2 * threads:  # bounded memory: ranges waiting to be hashed
+                        got += _hash_next(h, window)
+                while window:
+                    got += _hash_next(h, window)
+        _check(out, key, info, got, h.hexdigest())
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def _hash_next(h, window: deque) -> int:
+    data = window.popleft().result()
+    h.update(data)
+    return len(data)
+
+
+def _check(out: StageOutput, key: str, info, size: int, sha: str) -> None:
+    uri = out.store.uri(key)
+    if size != info.size:
+        hint = " (truncated)" if 0 <= size < info.size else ""
+        raise CorruptObject(key, f"size mismatch on read: expected {info.size} bytes, got {size}{hint}", uri)
+    if sha != info.sha256:
+        raise CorruptObject(key, f"sha256 mismatch on read: expected {info.sha256}, got {sha}", uri)
+
+
+class ShardCache:
+    """Verified local copies of dump shards: at most `capacity` on disk (a local store's files are
+    used in place and cost no cache), `prefetch` fetched ahead, in parallel."""
+
+    def __init__(self, out: StageOutput, capacity: int = 2, prefetch: int = 1, cache_dir: str | None = None,
+                 stats: ReadStats | None = None):
         self.out = out
         self.capacity = max(capacity, prefetch + 1)
         self.prefetch = prefetch
+        self.stats = stats or ReadStats()
         self.dir = Path(tempfile.mkdtemp(prefix="drafter-train-cache-", dir=cache_dir))
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dump-prefetch")
+        self._pool = ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="dump-prefetch")
         self._files: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
+
+    def _download(self, name: str) -> Path:
+        t = time.perf_counter()
+        path = fetch_verified(self.out, name, self.dir / name, self.out.store.read_concurrency)
+        self.stats.add_fetch(self.out.manifest.shard(name).size, time.perf_counter() - t)
+        return path
+
+    def _evict(self, name: str, fut: Future) -> None:
+        path = self.dir / name
+        fut.add_done_callback(lambda f: path.unlink(missing_ok=True))  # never the store's own file
 
     def _fetch(self, name: str) -> Future:
         with self._lock:
@@ -117,9 +226,8 @@ class ShardCache:
                 self._files.move_to_end(name)  # least recently asked for goes first
             else:
                 while len(self._files) >= self.capacity:  # evict the oldest (already read)
-                    old, fut = self._files.popitem(last=False)
-                    fut.add_done_callback(lambda f, n=old: (self.dir / n).unlink(missing_ok=True))
-                self._files[name] = self._pool.submit(self.out.download_shard, name, self.dir / name)
+                    self._evict(*self._files.popitem(last=False))
+                self._files[name] = self._pool.submit(self._download, name)
             return self._files[name]
 
     def open(self, name: str, upcoming: list[str]) -> HiddenStateShard:
@@ -133,6 +241,20 @@ class ShardCache:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class SampleStream:
+    """`DumpReader.samples`: an iterator of (cursor, sample) that knows its reader (the packer
+    charges its data wait to it)."""
+
+    def __init__(self, reader: "DumpReader", samples: Iterator[tuple["Cursor", dict]]):
+        self.reader, self._samples = reader, samples
+
+    def __iter__(self) -> "SampleStream":
+        return self
+
+    def __next__(self) -> tuple["Cursor", dict]:
+        return next(self._samples)
 
 
 class DumpReader:
@@ -153,7 +275,8 @@ class DumpReader:
         self.shard_info = [listed[n] for n in names]
         self.seed, self.max_length, self.shuffle = seed, max_length, shuffle
         self.expect = expect
-        self.cache = ShardCache(self.out, cache_shards, prefetch_shards, cache_dir)
+        self.read_stats = ReadStats()
+        self.cache = ShardCache(self.out, cache_shards, prefetch_shards, cache_dir, self.read_stats)
 
     @property
     def num_tokens(self) -> int:
@@ -171,8 +294,17 @@ class DumpReader:
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 7919 + shard)
         return torch.randperm(n, generator=g).tolist()
 
-    def samples(self, cursor: Cursor, epochs: int) -> Iterator[tuple[Cursor, dict]]:
-        """(cursor of this sample, sample) pairs from `cursor` to the end of the last epoch."""
+    def samples(self, cursor: Cursor, epochs: int) -> SampleStream:
+        """(cursor of this sample, sample) pairs from `cursor` to the end of the last epoch. fp8
+        samples come as stored (states + scales, decoded when packed)."""
+        return SampleStream(self, self._samples(cursor, epochs))
+
+    def stats(self) -> dict:
+        """Bytes fetched, fetch time, and the trainer's data wait: its share of the time the trainer
+        iterated that it spent waiting for micro-batches."""
+        return self.read_stats.to_dict()
+
+    def _samples(self, cursor: Cursor, epochs: int) -> Iterator[tuple[Cursor, dict]]:
         epoch, spos, kpos = cursor.epoch, cursor.shard, cursor.sample
         while epoch < epochs:
             order = self.shard_order(epoch)
@@ -186,41 +318,67 @@ class DumpReader:
                                            f"expected {list(self.expect.aux_layer_ids)}")
                 sorder = self.sample_order(epoch, order[spos], len(shard))
                 while kpos < len(sorder):
-                    yield Cursor(epoch, spos, kpos), shard.sample(sorder[kpos])
+                    yield Cursor(epoch, spos, kpos), shard.sample(sorder[kpos], decode=False)
                     kpos += 1
                 spos, kpos = spos + 1, 0
             epoch, spos = epoch + 1, 0
 
     def close(self) -> None:
         self.cache.close()
+        s = self.read_stats.to_dict()
+        if s["active_s"]:
+            log.info("dump reader %s: data wait %.1f%% (%.1f s of %.1f s), %.2f GB fetched and verified",
+                     self.manifest.fingerprint, 100 * s["data_wait_share"], s["wait_s"], s["active_s"],
+                     s["fetched_bytes"] / 1e9)
 
 
 def _cut(sample: dict, limit: int) -> dict:
     n = min(int(sample["input_ids"].shape[0]), limit)
-    return {"id": sample["id"], **{k: sample[k][:n] for k in ("input_ids", "loss_mask", "aux_hidden_states",
-                                                             "hidden_states")}}
+    return {k: v[:n] if isinstance(v, torch.Tensor) else v for k, v in sample.items()}
 
 
 def pack(samples: list[dict]) -> MicroBatch:
-    """Concatenate samples (already cut to fit) into one micro-batch (copies out of the mmap)."""
+    """Concatenate samples (already cut to fit) into one micro-batch (copies out of the mmap;
+    fp8 states are decoded to their capture dtype on the way)."""
     cat = lambda key: torch.cat([s[key] for s in samples])
+    states = {"aux_hidden_states": cat("aux_hidden_states"), "hidden_states": cat("hidden_states")}
+    if "aux_scales" in samples[0]:
+        states.update(aux_scales=cat("aux_scales"), hidden_scales=cat("hidden_scales"))
+        decode_states(states, samples[0]["decode_dtype"])
     return MicroBatch(input_ids=cat("input_ids").to(torch.int64), loss_mask=cat("loss_mask").bool(),
-                      aux=cat("aux_hidden_states").clone(), final=cat("hidden_states").clone(),
+                      aux=states["aux_hidden_states"], final=states["hidden_states"],
                       doc_lens=[int(s["input_ids"].shape[0]) for s in samples],
                       sample_ids=[s["id"] for s in samples])
 
 
 @dataclass
 class Packer:
-    """Greedy packing of a sample stream into micro-batches of at most `budget` tokens."""
+    """Greedy packing of a sample stream into micro-batches of at most `budget` tokens, `prefetch`
+    micro-batches ahead of the consumer on a background thread (0: packed on the caller's)."""
 
     budget: int
     max_length: int
+    prefetch: int = 4
 
     def batches(self, stream: Iterator[tuple[Cursor, dict]], end: Cursor
                 ) -> Iterator[tuple[Cursor, MicroBatch, Cursor]]:
         """(cursor of the batch's first sample, batch, cursor of the next batch's first sample).
         A sample with fewer than 2 tokens carries no teacher and is skipped."""
+        if self.prefetch < 1:
+            yield from self._batches(stream, end)
+            return
+        ahead = Prefetch(self._batches(stream, end), self.prefetch, "dump-packer")
+        try:
+            yield from ahead
+        finally:
+            ahead.close()
+            stats = getattr(getattr(stream, "reader", None), "read_stats", None)
+            if stats is not None:
+                stats.wait_s += ahead.wait_s
+                stats.active_s += ahead.active_s
+
+    def _batches(self, stream: Iterator[tuple[Cursor, dict]], end: Cursor
+                 ) -> Iterator[tuple[Cursor, MicroBatch, Cursor]]:
         buf: list[dict] = []
         used = 0
         first: Cursor | None = None
