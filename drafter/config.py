@@ -367,6 +367,10 @@ class ServeConfig(Strict):
     device: str = OutputField("auto", description="reference engine: cpu, cuda, cuda:N or auto")
     env: dict[str, str] = OutputField(
         default_factory=dict, description="launch environment (e.g. NCCL_*), saved with the run")
+    secrets: dict[str, str] = OperationalField(
+        default_factory=dict, description="server environment variables from REFERENCES, resolved at launch: "
+                                          "env:VARIABLE or prefect:SECRET_BLOCK; `{secret:NAME}` in extra_args / "
+                                          "command expands to one (drafter.secrets)")
     extra_args: list[str] = OutputField(default_factory=list)
     command: list[str] | None = OutputField(None, description="engine=command: the server command line")
     health_url: str | None = OperationalField(None, description="engine=command: URL answering 200 when ready")
@@ -378,9 +382,18 @@ class ServeConfig(Strict):
     def _engine_fields(self) -> "ServeConfig":
         if self.engine == "command" and not self.command:
             raise ValueError("engine 'command' needs `command` (the server command line)")
-        for key in self.env:
+        from drafter.secrets import _PLACEHOLDER, reference_problem
+
+        for key in (*self.env, *self.secrets):
             if not key or "=" in key or not key.replace("_", "").isalnum():
                 raise ValueError(f"env: invalid variable name {key!r}")
+        for key, ref in self.secrets.items():
+            if (problem := reference_problem(ref)) is not None:
+                raise ValueError(f"secrets.{key}: {problem}")
+        for arg in (*self.extra_args, *(self.command or ())):
+            for name in _PLACEHOLDER.findall(arg):
+                if name not in self.secrets:
+                    raise ValueError(f"{{secret:{name}}} needs serve.secrets.{name} (a reference)")
         return self
 
 

@@ -9,6 +9,17 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
 
 from drafter.errors import is_retryable
+from drafter.secrets import register_resolver
+
+
+def _prefect_secret(block_name: str) -> str:
+    """`prefect:BLOCK` in serve.secrets: a Prefect Secret block, read in the worker at launch."""
+    from prefect.blocks.system import Secret
+
+    return Secret.load(block_name).get()
+
+
+register_resolver("prefect", _prefect_secret)
 
 
 def failure_of(state) -> BaseException | None:

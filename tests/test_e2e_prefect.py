@@ -16,6 +16,8 @@ import yaml
 from tests.fixtures.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+# In the worker's environment only; the profile names it (serve.secrets), never holds it.
+PLANTED = "e2e-planted-Secret-7c41d9"
 pytestmark = pytest.mark.e2e
 
 
@@ -24,7 +26,7 @@ def prefect_env(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_API_PORT=str(free_port()),
-               PREFECT_UI_ENABLED="false")
+               PREFECT_UI_ENABLED="false", DRAFTER_E2E_SECRET=PLANTED)
     up = subprocess.run([str(ROOT / "infra" / "prefect-up.sh")], env=env, capture_output=True,
                         text=True, timeout=240)
     try:
@@ -73,7 +75,8 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
         "serve": {"engine": "reference", "device": "cpu", "port": free_port(), "log_dir": str(tmp_path / "logs"),
                   "extra_args": ["--cpu-threads", "1"], "speculative": {"num_steps": 2, "eagle_topk": 1,
                                                                        "num_draft_tokens": 3},
-                  "startup_timeout_s": 180, "stall_timeout_s": 90},
+                  "startup_timeout_s": 180, "stall_timeout_s": 90,
+                  "secrets": {"HF_TOKEN": "env:DRAFTER_E2E_SECRET"}},
         "bench": {"speculative": [{"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3}], "num_prompts": 3,
                   "max_tokens": 8, "repeats": 2, "warmup_requests": 1},
         "storage": {"root": f"file://{store}"},
@@ -130,3 +133,10 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
     # the bench's baseline and 2/1/3 servers (first run only; the second run finds the report committed)
     assert len(list((tmp_path / "logs").glob("reference-*.launch.json"))) == 5
     assert "Speculative decoding: EAGLE3 num_steps=2 topk=1 num_draft_tokens=3" in logs  # served the export
+    # the secret reached every launch (masked in each launch file) and no file at rest: not the
+    # store, the server logs, the Prefect database or the worker's logs
+    launches = [json.loads(p.read_text()) for p in (tmp_path / "logs").glob("*.launch.json")]
+    assert all(l["env_from_config"]["HF_TOKEN"] == "<masked>" for l in launches)
+    for root in (tmp_path, Path(prefect_env["PREFECT_HOME"])):
+        for path in (p for p in root.rglob("*") if p.is_file()):
+            assert PLANTED.encode() not in path.read_bytes(), f"the secret is stored in {path}"

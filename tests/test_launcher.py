@@ -261,7 +261,7 @@ def test_launch_environment_is_saved_and_applied(tmp_path):
     for key, value in NCCL.items():
         assert saved["env"][key] == value and saved["env_from_config"][key] == value
         assert f"{key}={value}".encode() in environ  # the process really got it
-    assert saved["env"]["HF_TOKEN"] == "<redacted>"
+    assert saved["env"]["HF_TOKEN"] == "<masked>"
     assert "PATH" not in saved["env"]  # only the difference to our own environment is saved
     assert saved["argv"] == spec.argv and saved["cwd"] == str(tmp_path)
     assert_all_gone(server)

@@ -180,6 +180,12 @@ def _probe_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def keep_secret_placeholders(arg: str) -> str:
+    from drafter.secrets import _PLACEHOLDER
+
+    return _PLACEHOLDER.sub(lambda m: "{" + m.group(0) + "}", arg)
+
+
 def _launch_env(cfg: LifecycleConfig) -> tuple[dict[str, str], dict[str, str]]:
     overrides = dict(cfg.serve.env)
     return {**os.environ, **overrides}, overrides
@@ -589,7 +595,8 @@ class CommandEngine(Engine):
         values = {"host": s.host, "port": str(s.port), "model_path": t.path,
                   "served_model_name": t.served_name, "draft_path": draft_path or ""}
         try:
-            argv = [arg.format(**values) if "{" in arg else arg for arg in s.command]
+            # {secret:NAME} stays for the session, which resolves serve.secrets at launch
+            argv = [keep_secret_placeholders(arg).format(**values) if "{" in arg else arg for arg in s.command]
         except (KeyError, IndexError, ValueError) as err:
             raise ServerConfigError(f"serve.command: bad placeholder {err} "
                                     f"(known: {', '.join('{' + k + '}' for k in values)})") from None

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from drafter.config import LifecycleConfig
+from drafter.secrets import Redactor, mask_argv, mask_env, secret_values
 from drafter.serving import procs
 from drafter.serving.engines import Engine, LaunchSpec
 from drafter.serving.errors import ServerConfigError, TeardownError
@@ -41,8 +42,6 @@ from drafter.serving.errors import ServerConfigError, TeardownError
 OnLine = Callable[[str], None]
 _MAX_LINE = 1 << 20
 
-# Environment variable names whose values never go into the saved launch file.
-_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL", re.IGNORECASE)
 
 
 def write_private(path: Path, text: str) -> None:
@@ -375,18 +374,15 @@ class TeardownReport:
         return asdict(self)
 
 
-def _secret_free(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: ("<redacted>" if _SECRET.search(k) else v) for k, v in sorted(env.items())}
-
-
 def launch_record(spec: LaunchSpec, base_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The launch as saved with the run: argv, env diff against our own environment, cwd."""
     base = os.environ if base_env is None else base_env
     changed = {k: v for k, v in spec.env.items() if base.get(k) != v}
     removed = sorted(k for k in base if k not in spec.env)
-    return {"engine": spec.engine, "argv": spec.argv, "cwd": spec.cwd,
-            "env": _secret_free(changed), "env_removed": removed,
-            "env_from_config": _secret_free(spec.env_overrides),
+    # Masked by allow-list (drafter.secrets): only harmless variables keep their values.
+    return {"engine": spec.engine, "argv": mask_argv(spec.argv), "cwd": spec.cwd,
+            "env": mask_env(changed), "env_removed": removed,
+            "env_from_config": mask_env(spec.env_overrides),
             "base_url": spec.base_url, "health_url": spec.health_url,
             "served_model_name": spec.served_model_name, "model_path": spec.model_path,
             "draft_path": spec.draft_path, "python": sys.executable,
@@ -419,6 +415,7 @@ class ServerProcess:
         self._reader: threading.Thread | None = None
         self._log = None
         self.tag = uuid.uuid4().hex
+        self.redact = Redactor()
         self.owner = current_owner()
         self._watchdog: subprocess.Popen | None = None
         self._watch_fd: int | None = None
@@ -458,6 +455,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         write_private(self.launch_path, json.dumps(launch_record(self.spec), indent=2))
         self.gpu_baseline = gpu_state(self.spec.env)
+        self.redact = Redactor(secret_values(self.spec.env_overrides, self.spec.argv))
         # Every descendant inherits the tag: teardown finds a child that left the session.
         self.spec.env = {**self.spec.env, procs.TAG_VAR: self.tag}
         self._log = open_private(self.log_path)
@@ -480,7 +478,7 @@ class ServerProcess:
             self._start_watchdog()
             write_private(self.pid_path, json.dumps({
                 "pid": self.proc.pid, "pgid": self.pgid, "sid": self.proc.pid, "tag": self.tag,
-                "start_ticks": _start_ticks(self.proc.pid), "argv": self.spec.argv,
+                "start_ticks": _start_ticks(self.proc.pid), "argv": mask_argv(self.spec.argv),
                 "argv_sha256": _argv_digest(self.spec.argv),
                 "started_at": _now_iso(), "engine": self.spec.engine, "host": self.spec.host,
                 "port": self.spec.port, "log_path": str(self.log_path), "launcher_pid": os.getpid(),
@@ -522,6 +520,7 @@ class ServerProcess:
     def _handle(self, line: str) -> None:
         if not line.strip():
             return
+        line = self.redact(line)  # a server may print its arguments or environment (SGLang does)
         phase, ready, fatal, noise = self.engine.classify(line)
         with self._lock:
             self._last_line_at = time.monotonic()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from drafter.config import LifecycleConfig
+from drafter.secrets import expand_placeholders, resolve_all
 from drafter.serving.engines import check_speculative_settings, make_engine
 from drafter.serving.errors import ServerConfigError, TeardownError
 from drafter.serving.gate import wait_until_ready
@@ -128,6 +129,11 @@ class ServerSession:
         try:
             stack.enter_context(sigterm_as_interrupt())  # a cancelled run (SIGTERM) still tears down
             spec = engine.build_launch(cfg, self.draft_path, self.log_path.parent, faults=self.faults)
+            # Secrets are resolved here, in the launching process, and only handed to the server.
+            secrets = resolve_all(cfg.serve.secrets)
+            spec.env.update(secrets)
+            spec.env_overrides.update(secrets)
+            spec.argv = expand_placeholders(spec.argv, secrets)
             self.base_url = spec.base_url
             # A server of ours whose run died (pid file, launcher gone) would hold the port.
             stale = reap_stale(spec.log_dir, spec.port)

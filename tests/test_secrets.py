@@ -1,0 +1,79 @@
+"""Secrets by reference, masked by allow-list, never at rest: a real server launch with a planted
+secret, then every file the run wrote is searched for it (the Prefect database is searched by the
+e2e test). ~3 s."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from drafter.config import ConfigError, parse_config
+from drafter.secrets import MASK, Redactor, SecretError, mask_argv, mask_env, secret_values
+from drafter.serving.check import check_server
+from tests.test_launcher import FAKE
+from tests.fixtures.net import free_port
+
+PLANTED = "planted-Secret-9f3c1e77"
+
+
+def test_masking_is_by_allow_list():
+    env = {"NCCL_ALGO": "Ring", "CUDA_VISIBLE_DEVICES": "0,1", "WANDB_KEY": PLANTED, "OPENAI_KEY": PLANTED,
+           "GH_PAT": PLANTED, "HF_AUTH": PLANTED, "VLLM_API_KEY": PLANTED, "MY_SETTING": PLANTED,
+           "DATABASE_URL": f"postgres://app:{PLANTED}@db:5432/x",
+           "SGLANG_REMOTE": f"https://user:{PLANTED}@host/path?token={PLANTED}&x=1"}
+    masked = mask_env(env)
+    assert masked["NCCL_ALGO"] == "Ring" and masked["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert masked["SGLANG_REMOTE"] == f"https://user:{MASK}@host/path?token={MASK}&x=1"
+    assert PLANTED not in json.dumps(masked)
+    argv = ["sglang", "--api-key", PLANTED, f"--hf-token={PLANTED}", "--tp-size", "8",
+            f"--endpoint=s3://k:{PLANTED}@minio:9000"]
+    assert mask_argv(argv) == ["sglang", "--api-key", MASK, f"--hf-token={MASK}", "--tp-size", "8",
+                               f"--endpoint=s3://k:{MASK}@minio:9000"]
+    redact = Redactor(secret_values({"WANDB_KEY": PLANTED, "NCCL_ALGO": "Ring"}, argv))
+    assert redact(f"server_args=ServerArgs(api_key='{PLANTED}', algo=Ring)") == f"server_args=ServerArgs(api_key='{MASK}', algo=Ring)"
+
+
+def secret_profile(tmp_path: Path, reference: str) -> dict:
+    port = free_port()
+    # sh prints what the server received, then execs the fake server; `--api-key ...` reaches sh's argv
+    script = f'echo "received token=$HF_TOKEN"; exec {sys.executable} {FAKE} --port {port} --served-model-name fake-model'
+    return {"target": {"path": str(tmp_path), "name": "fake-model", "num_hidden_layers": 8, "vocab_size": 1000},
+            "serve": {"engine": "command", "port": port, "log_dir": str(tmp_path / "logs"),
+                      "command": ["sh", "-c", script, "sh", "--api-key", "{secret:HF_TOKEN}"],
+                      "health_url": f"http://127.0.0.1:{port}/health", "secrets": {"HF_TOKEN": reference},
+                      "env": {"NCCL_ALGO": "Ring"}, "stall_timeout_s": 10, "startup_timeout_s": 20}}
+
+
+def test_a_secret_reaches_the_server_and_no_file_we_write(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLANTED_FOR_TEST", PLANTED)
+    cfg = parse_config(secret_profile(tmp_path, "env:PLANTED_FOR_TEST"))
+    assert PLANTED not in cfg.model_dump_json()  # the configuration holds the reference only
+    seen: list[str] = []
+    result = check_server(cfg, on_line=seen.append, poll_s=0.1)
+    assert result["status"] == "ready", result["message"]
+    # the server got the value (its line shows it arrived non-empty, masked on the way to us)
+    assert f"received token={MASK}" in seen
+    assert PLANTED not in json.dumps(result, default=str) and not any(PLANTED in line for line in seen)
+    written = [p for p in (tmp_path / "logs").rglob("*") if p.is_file()]
+    assert {p.suffix for p in written} >= {".log", ".json"}
+    for path in written:
+        assert PLANTED.encode() not in path.read_bytes(), path
+        assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
+    launch = json.loads(next((tmp_path / "logs").glob("*.launch.json")).read_text())
+    assert launch["env_from_config"] == {"HF_TOKEN": MASK, "NCCL_ALGO": "Ring"}
+    assert launch["argv"][-2:] == ["--api-key", MASK]
+
+
+def test_unresolvable_or_literal_secrets_are_refused_before_any_launch(tmp_path, monkeypatch):
+    monkeypatch.delenv("PLANTED_FOR_TEST", raising=False)
+    cfg = parse_config(secret_profile(tmp_path, "env:PLANTED_FOR_TEST"))
+    with pytest.raises(SecretError, match="serve.secrets.HF_TOKEN: environment variable PLANTED_FOR_TEST is not set"):
+        check_server(cfg)
+    assert not list((tmp_path / "logs").glob("*.pid.json"))
+    with pytest.raises(ConfigError, match="serve: secrets.HF_TOKEN: not a secret reference") as info:
+        parse_config(secret_profile(tmp_path, PLANTED))
+    assert PLANTED not in str(info.value)
+    with pytest.raises(SecretError, match="prefect: references resolve only inside a Prefect run"):
+        check_server(parse_config(secret_profile(tmp_path, "prefect:hf-token")))
