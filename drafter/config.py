@@ -441,14 +441,26 @@ class StorageConfig(Strict):
     multipart_threshold_mb: int = Field(64, ge=5)
     multipart_chunk_mb: int = Field(64, ge=5)
     max_attempts: int = Field(5, ge=1, description="attempts for throttling / connection errors")
+    connect_timeout_s: float = Field(5.0, gt=0, description="S3: seconds to open a connection")
+    read_timeout_s: float = Field(30.0, gt=0, description="S3: seconds without a byte from the endpoint")
+    operation_timeout_s: float = Field(
+        300.0, gt=0, description="S3: total deadline of one operation, retries included (a frozen endpoint "
+                                 "fails after this, not after attempts x timeouts)")
 
     @field_validator("root")
     @classmethod
     def _scheme(cls, v: str) -> str:
+        import re
+
         if not (v.startswith("file://") or v.startswith("s3://")):
             raise ValueError("root must start with file:// or s3://")
         if v.startswith("s3://") and len(v) <= len("s3://"):
             raise ValueError("s3 root needs a bucket: s3://BUCKET/PREFIX")
+        if v.startswith("s3://"):
+            bucket = v[len("s3://"):].split("/", 1)[0]
+            if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket) or ".." in bucket:
+                raise ValueError(f"invalid bucket name {bucket!r}: S3 bucket names are 3-63 lowercase letters, "
+                                 f"digits, dots and hyphens, starting and ending with a letter or digit")
         return v
 
 

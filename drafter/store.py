@@ -57,6 +57,21 @@ class StoreError(DrafterError):
     retryable = True
 
 
+class OperationTimeout(StoreError):
+    """No answer within the operation's deadline (`storage.operation_timeout_s`): a frozen or
+    unreachable endpoint. A later attempt may work."""
+
+
+class BucketError(StoreError):
+    """The bucket does not exist or we may not use it: fix `storage.root` or the credentials."""
+
+    retryable = False
+
+
+class _DeadlinePassed(Exception):
+    """Raised by our before-send hook inside botocore: stops its retry loop at the deadline."""
+
+
 class ObjectNotFound(StoreError):
     """The key does not exist (e.g. an upstream stage that was never committed: run it first;
     waiting will not help)."""
@@ -385,6 +400,8 @@ class S3Store(ObjectStore):
     def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
                  region: str | None = None, multipart_threshold_mb: int = 64,
                  multipart_chunk_mb: int = 64, max_attempts: int = 5, *,
+                 connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0,
+                 operation_timeout_s: float = 300.0,
                  retry_mode: str = "standard", backoff_base_s: float = 0.5, backoff_max_s: float = 20.0,
                  max_concurrency: int = 8):
         import boto3
@@ -397,6 +414,9 @@ class S3Store(ObjectStore):
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url
         self.max_attempts = max_attempts
+        self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
+        self.operation_timeout_s = operation_timeout_s
+        self._deadline = threading.local()  # per calling thread: when the current operation gives up
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self._sleep = time.sleep  # tests swap this to observe the backoff
@@ -411,11 +431,15 @@ class S3Store(ObjectStore):
                          response_checksum_validation="when_required")
         # total_max_attempts counts the first try; botocore's "max_attempts" key would count retries.
         config = Config(retries={"mode": retry_mode, "total_max_attempts": max_attempts},
-                        connect_timeout=10, read_timeout=120,
+                        connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
                         max_pool_connections=max(10, max_concurrency * 2), **extra)
         # A private session: boto3's default session is not thread-safe to create clients from.
         self.client = boto3.session.Session().client(
             "s3", endpoint_url=endpoint_url, region_name=region, config=config)
+        # botocore's own retries are silent and know no total deadline: one hook logs each of them,
+        # another stops the next request of an operation once its deadline has passed.
+        self.client.meta.events.register("needs-retry.s3", self._log_request_retry)
+        self.client.meta.events.register("before-send.s3", self._check_deadline)
         self.transfer_config = TransferConfig(
             multipart_threshold=multipart_threshold_mb * MiB, multipart_chunksize=multipart_chunk_mb * MiB,
             max_concurrency=max_concurrency, use_threads=True)
@@ -439,32 +463,85 @@ class S3Store(ObjectStore):
 
     # ---- error handling
 
+    def _where(self) -> str:
+        return f"endpoint {self.endpoint_url or 'AWS'}"
+
     def _translate(self, err: Exception, op: str, key: str) -> StoreError:
         code = str(getattr(err, "response", {}).get("Error", {}).get("Code", ""))
         if code in _NOT_FOUND_CODES:
             return ObjectNotFound(f"{op}: no such object {self.uri(key)}")
         if code == "NoSuchBucket":
-            return StoreError(f"{op} {self.uri(key)}: bucket {self.bucket!r} does not exist "
-                              f"(endpoint {self.endpoint_url or 'AWS'})")
+            return BucketError(f"{op} {self.uri(key)}: bucket {self.bucket!r} does not exist ({self._where()}); "
+                               f"create it or fix storage.root")
+        if code in ("InvalidBucketName", "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId",
+                    "SignatureDoesNotMatch"):
+            return BucketError(f"{op} {self.uri(key)}: {code} ({self._where()}): check storage.root and the "
+                               f"credentials (boto3 chain: AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)")
         return StoreError(f"{op} {self.uri(key)}: {err}")
 
+    def _timeout(self, op: str, key: str, attempts: int) -> OperationTimeout:
+        return OperationTimeout(
+            f"{op} {self.uri(key)}: no answer within storage.operation_timeout_s={self.operation_timeout_s:g}s "
+            f"({attempts} attempts, connect timeout {self.connect_timeout_s:g}s, read timeout "
+            f"{self.read_timeout_s:g}s; {self._where()}): is the endpoint up and reachable?")
+
+    def _check_deadline(self, **_kw) -> None:
+        deadline = getattr(self._deadline, "at", None)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise _DeadlinePassed()
+
+    def _log_request_retry(self, attempts: int = 0, caught_exception=None, response=None,
+                           operation=None, **_kw) -> None:
+        """Observe botocore's retry decision (never change it): one line per failed request."""
+        status = response[0].status_code if response else None
+        if caught_exception is None and (status is None or (status < 500 and status != 429)):
+            return
+        if attempts >= self.max_attempts or isinstance(caught_exception, _DeadlinePassed):
+            return  # its last attempt: the error surfaces to our wrapper, which says what happens
+        why = type(caught_exception).__name__ if caught_exception is not None else f"HTTP {status}"
+        log.warning("s3 %s (%s): %s on request attempt %d of %d; botocore retries",
+                    getattr(operation, "name", "?"), self._where(), why, attempts, self.max_attempts)
+
+    @contextlib.contextmanager
+    def _operation(self):
+        """The deadline of one operation (nested calls keep the outer one)."""
+        outer = getattr(self._deadline, "at", None)
+        if outer is None:
+            self._deadline.at = time.monotonic() + self.operation_timeout_s
+        try:
+            yield
+        finally:
+            if outer is None:
+                self._deadline.at = None
+
     def _retry(self, op: str, key: str, fn: Callable[[], T]) -> T:
-        """Run `fn`, re-running it on connection-level failures with exponential backoff + jitter.
+        """Run `fn`, re-running it on connection-level failures with exponential backoff + jitter,
+        until `max_attempts` or the operation's deadline; one log line per retry.
         Throttling/5xx were already retried per request by botocore; other errors are final."""
         from botocore.exceptions import ClientError
 
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                return fn()
-            except ClientError as e:
-                raise self._translate(e, op, key) from e
-            except self._transient as e:
-                if attempt == self.max_attempts:
-                    raise StoreError(f"{op} {self.uri(key)}: giving up after {attempt} attempts: {e}") from e
-                delay = backoff_delay(attempt, self.backoff_base_s, self.backoff_max_s)
-                log.warning("%s %s: %s; retry %d/%d in %.2fs", op, self.uri(key), e,
-                            attempt, self.max_attempts - 1, delay)
-                self._sleep(delay)
+        with self._operation():
+            for attempt in range(1, self.max_attempts + 1):
+                started = time.monotonic()
+                try:
+                    return fn()
+                except ClientError as e:
+                    raise self._translate(e, op, key) from e
+                except _DeadlinePassed:
+                    raise self._timeout(op, key, attempt) from None
+                except self._transient as e:
+                    delay = backoff_delay(attempt, self.backoff_base_s, self.backoff_max_s)
+                    if time.monotonic() - started >= self.operation_timeout_s:
+                        # a long transfer that broke late, not a frozen endpoint: a fresh deadline
+                        self._deadline.at = time.monotonic() + self.operation_timeout_s
+                    if time.monotonic() + delay >= self._deadline.at:
+                        raise self._timeout(op, key, attempt) from e
+                    if attempt == self.max_attempts:
+                        raise StoreError(f"{op} {self.uri(key)}: giving up after {attempt} attempts "
+                                         f"({self._where()}): {e}") from e
+                    log.warning("%s %s: %s; attempt %d of %d failed, retry in %.2fs", op, self.uri(key), e,
+                                attempt, self.max_attempts, delay)
+                    self._sleep(delay)
         raise AssertionError("unreachable")
 
     # ---- operations
@@ -575,10 +652,18 @@ class S3Store(ObjectStore):
         from botocore.exceptions import ClientError
 
         full, pos, etag, total, attempt = self._full(key), 0, None, None, 1
+        deadline, pos_at_deadline = None, -1
         while True:
             try:
                 extra = {"Range": f"bytes={pos}-", "IfMatch": etag} if pos else {}
-                resp = self.client.get_object(Bucket=self.bucket, Key=full, **extra)
+                # The deadline bounds the requests without progress; bytes received re-arm it.
+                if pos != pos_at_deadline:
+                    deadline, pos_at_deadline = time.monotonic() + self.operation_timeout_s, pos
+                self._deadline.at = deadline
+                try:
+                    resp = self.client.get_object(Bucket=self.bucket, Key=full, **extra)
+                finally:
+                    self._deadline.at = None
                 etag = etag or resp["ETag"]
                 total = resp["ContentLength"] if total is None else total
                 for chunk in resp["Body"].iter_chunks(chunk_size):
@@ -589,12 +674,20 @@ class S3Store(ObjectStore):
                 if pos and str(e.response.get("Error", {}).get("Code")) in ("PreconditionFailed", "412"):
                     raise StoreError(f"get {self.uri(key)}: object changed while reading") from e
                 raise self._translate(e, "get", key) from e
+            except _DeadlinePassed:
+                raise self._timeout("get", key, attempt) from None
             except self._transient as e:
                 if total is not None and pos >= total:
                     return
+                delay = backoff_delay(attempt, self.backoff_base_s, self.backoff_max_s)
+                if pos == pos_at_deadline and time.monotonic() + delay >= deadline:
+                    raise self._timeout("get", key, attempt) from e
                 if attempt == self.max_attempts:
-                    raise StoreError(f"get {self.uri(key)}: giving up after {attempt} attempts: {e}") from e
-                self._sleep(backoff_delay(attempt, self.backoff_base_s, self.backoff_max_s))
+                    raise StoreError(f"get {self.uri(key)}: giving up after {attempt} attempts "
+                                     f"({self._where()}): {e}") from e
+                log.warning("get %s: %s at byte %d; attempt %d of %d failed, retry in %.2fs", self.uri(key), e,
+                            pos, attempt, self.max_attempts, delay)
+                self._sleep(delay)
                 attempt += 1
 
     def get_file(self, key: str, path: str | os.PathLike) -> None:
@@ -697,5 +790,7 @@ def open_store(cfg: StorageConfig) -> ObjectStore:
         bucket, _, prefix = root[len("s3://"):].partition("/")
         return S3Store(bucket, prefix, endpoint_url=cfg.endpoint_url, region=cfg.region,
                        multipart_threshold_mb=cfg.multipart_threshold_mb,
-                       multipart_chunk_mb=cfg.multipart_chunk_mb, max_attempts=cfg.max_attempts)
+                       multipart_chunk_mb=cfg.multipart_chunk_mb, max_attempts=cfg.max_attempts,
+                       connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,
+                       operation_timeout_s=cfg.operation_timeout_s)
     raise StoreError(f"storage.root: unsupported scheme in {root!r} (use file:// or s3://)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import time
 
 import pytest
 
@@ -291,3 +292,36 @@ def test_s3_stream_cut_mid_body_resumes_where_it_stopped(s3_fault_proxy, s3_stor
     assert store.get_bytes("obj") == data
     assert s3_fault_proxy.served == ["cut:300000"]
     assert len(store.sleeps) == 1  # one resume, not a failure
+
+
+@pytest.mark.s3
+def test_s3_frozen_endpoint_fails_at_the_deadline_with_one_line_per_retry(s3_fault_proxy, s3_storage_config, caplog):
+    """An endpoint that accepts and never answers: before, ~50 minutes of silence per operation
+    (120 s read timeout x 5 x 5); now the operation's deadline, and every retry is a log line."""
+    from drafter.store import OperationTimeout
+
+    open_store(s3_storage_config).put_bytes("obj", b"payload")
+    bucket, _, prefix = s3_storage_config.root.removeprefix("s3://").partition("/")
+    store = S3Store(bucket, prefix, endpoint_url=s3_fault_proxy.url, region="us-east-1", max_attempts=3,
+                    connect_timeout_s=1, read_timeout_s=0.5, operation_timeout_s=2.0, backoff_base_s=0.05)
+    s3_fault_proxy.inject(*["freeze"] * 40)
+    caplog.set_level("WARNING", logger="drafter.store")
+    for call in (lambda: store.get_bytes("obj"), lambda: store.size("obj")):
+        caplog.clear()
+        t0 = time.monotonic()
+        with pytest.raises(OperationTimeout, match=r"no answer within storage.operation_timeout_s=2s .*"
+                                                   r"read timeout 0.5s; endpoint http://127.0.0.1"):
+            call()
+        assert time.monotonic() - t0 < 15  # the deadline plus one request, not attempts x timeouts
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) >= 2 and all("attempt" in line for line in lines), lines
+    assert OperationTimeout("x").retryable
+
+
+def test_invalid_bucket_name_is_a_config_error_and_a_missing_bucket_is_final():
+    from drafter.config import ConfigError, parse_config
+    from drafter.store import BucketError
+
+    with pytest.raises(ConfigError, match="invalid bucket name 'My_Bucket'"):
+        parse_config({"target": {"path": "/t"}, "storage": {"root": "s3://My_Bucket/prefix"}})
+    assert not BucketError("x").retryable
