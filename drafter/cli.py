@@ -207,6 +207,49 @@ def outputs(config: Path = ConfigOpt) -> None:
                    f"{row['bytes'] / 1e6:>10.2f} MB  {row['created_at']}  {row['uri']}")
 
 
+@app.command("verify")
+def verify(target: str = typer.Argument(..., help="a stage name (its output for --config) or an output URI, "
+                                                 "e.g. file:///data/store/dump/ab12cd34ef56ab78"),
+           config: Optional[Path] = typer.Option(None, "--config", "-c",
+                                                 help="YAML profile (needed for a stage name; its storage "
+                                                      "settings are used for s3:// URIs)")) -> None:
+    """Re-hash a committed output end to end against its manifest; exit 4 if any shard is bad."""
+    from drafter.stage_output import CorruptObject, StageOutput
+    from drafter.stages import TABLE
+    from drafter.store import open_store
+
+    cfg = _load(config) if config is not None else None
+    if "://" in target:
+        root, _, rest = target.rstrip("/").rpartition("/")
+        root, _, stage = root.rpartition("/")
+        fingerprint = rest
+        storage = cfg.storage.model_copy(update={"root": root}) if cfg else None
+        from drafter.config import StorageConfig
+
+        out = StageOutput(open_store(storage or StorageConfig(root=root)), stage, fingerprint)
+    else:
+        if target not in TABLE.names or cfg is None:
+            typer.echo(f"verify {target}: give a stage ({', '.join(TABLE.names)}) with --config, or an "
+                       f"output URI", err=True)
+            raise typer.Exit(2)
+        fingerprint = TABLE.fingerprints(cfg)[TABLE[target].name]
+        if fingerprint is None:
+            typer.echo(f"verify {target}: this stage stores no output", err=True)
+            raise typer.Exit(2)
+        out = StageOutput(open_store(cfg.storage), target, fingerprint)
+    bar = _progress_bar(f"verify {out.stage}", unit="shard")
+    try:
+        report = out.verify(progress=bar.update_to)
+    finally:
+        bar.close()
+    for problem in report["problems"]:
+        typer.echo(f"  {problem}", err=True)
+    if report["problems"]:
+        raise CorruptObject(out.prefix, f"{len(report['problems'])} of {report['shards']} shards failed "
+                                        f"verification", out.uri)
+    typer.echo(f"{out.uri}: {report['shards']} shards, {report['bytes'] / 1e6:.2f} MB verified (sha256): ok")
+
+
 class _Bar:
     """A tqdm bar fed by library progress callbacks `(done, total, *info)`."""
 

@@ -192,6 +192,7 @@ class StageOutput:
         self.fingerprint = fingerprint
         self.prefix = f"{stage}/{fingerprint}"
         self._manifest: Manifest | None = None  # cached for shard reads; a commit never changes
+        self._verified: set[tuple[str, str]] = set()  # (name, sha256) this object wrote and read back
 
     @classmethod
     def for_inputs(cls, store: ObjectStore, stage: str, config: dict, upstream: Iterable[str] = (),
@@ -309,6 +310,7 @@ class StageOutput:
         else:
             raise TypeError(f"shard data must be bytes, str, a Path or byte chunks, not {type(data).__name__}")
         size, sha = self.store.put_stream(key, chunks)
+        self._verified.add((name, sha))  # checked against what the store committed
         info = ShardInfo(name=name, size=size, sha256=sha, meta=meta or {})
         self.store.put_bytes(self._marker_key(name), info.model_dump_json().encode())
         return info
@@ -339,6 +341,7 @@ class StageOutput:
             if missing:
                 raise StoreError(f"cannot commit {self.uri}: {len(missing)} shards missing, "
                                  f"e.g. {missing[:5]}")
+        self._verify_before_commit(shards)
         if callable(meta):
             meta = meta(shards)
         manifest = Manifest(stage=self.stage, fingerprint=self.fingerprint, format_version=FORMAT_VERSION,
@@ -359,6 +362,50 @@ class StageOutput:
         self.store.put_bytes(self.key(MANIFEST_NAME), manifest.model_dump_json(indent=2).encode())
         self._manifest = manifest
         return manifest
+
+    def _hash_problem(self, info: ShardInfo) -> str | None:
+        """Re-hash one stored shard against what was recorded; None when it matches."""
+        key = self.key(info.name)
+        try:
+            self._verify(key, info, *hash_chunks(self.store.iter_chunks(key)), when="on verify")
+        except CorruptObject as err:
+            return str(err)
+        except ObjectNotFound:
+            return f"missing object {self.store.uri(key)}"
+        return None
+
+    def _verify_before_commit(self, shards: dict[str, ShardInfo]) -> None:
+        """Sizes alone do not prove a shard: every shard this object did not just write and read
+        back (a resumed run's, or all of them when only the manifest was missing) is re-hashed
+        before `_SUCCESS.json` vouches for it. A bad one loses its marker, so a re-run redoes it."""
+        unchecked = [info for info in shards.values() if (info.name, info.sha256) not in self._verified]
+        if not unchecked:
+            return
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            problems = list(pool.map(self._hash_problem, unchecked))
+        bad = [(info, problem) for info, problem in zip(unchecked, problems) if problem]
+        for info, _ in bad:
+            self.store.delete(self._marker_key(info.name))
+        if bad:
+            info, problem = bad[0]
+            raise CorruptObject(self.key(info.name), f"{len(bad)} of {len(shards)} shards failed verification "
+                                f"before commit (e.g. {problem}); their markers were removed: run the stage "
+                                f"again to regenerate them", self.store.uri(self.key(info.name)))
+        self._verified.update((info.name, info.sha256) for info in unchecked)
+
+    def verify(self, progress: Progress | None = None) -> dict:
+        """Re-hash every shard of the committed output end to end (`drafter verify`):
+        {"uri", "shards", "bytes", "problems": [one line per bad shard]}."""
+        manifest = self.load_manifest()
+        problems = []
+        for done, info in enumerate(manifest.shards, 1):
+            problem = self._hash_problem(info)
+            if problem:
+                problems.append(f"{info.name}: {problem}")
+            if progress is not None:
+                progress(done, len(manifest.shards))
+        return {"uri": self.uri, "shards": len(manifest.shards), "bytes": manifest.total_bytes,
+                "problems": problems}
 
     def reset(self) -> int:
         """Delete the whole output (forced re-run). The manifest goes first, so an interrupted

@@ -1,0 +1,52 @@
+"""Integrity on commit: a shard is re-hashed before `_SUCCESS.json` vouches for it, and
+`drafter verify` re-hashes a committed output end to end. Through the prepare stage and the CLI
+entry point, file store: ~1 s."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from drafter import cli
+from drafter.stage_output import CorruptObject, StageOutput
+from drafter.stages import prepare
+from drafter.store import open_store
+from drafter.config import load_config
+from tests.test_inputs import drafter, profile
+
+
+def _flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    path.write_bytes(bytes(data))
+
+
+def test_recommit_verifies_shards_and_verify_rehashes_end_to_end(tmp_path, monkeypatch, capsys):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"question number {i}"}) + "\n" for i in range(20)))
+    path = profile(tmp_path, data={"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.2})
+    cfg = load_config(path)
+    store = open_store(cfg.storage)
+    first = prepare.run(cfg, store)
+    code, err = drafter(monkeypatch, capsys, "verify", "prepare", "-c", path)
+    assert code == 0, err
+    out = StageOutput(store, "prepare", first.fingerprint)
+    shard = tmp_path / "store" / "prepare" / first.fingerprint / "train.jsonl"
+
+    # corrupted at rest (same size), manifest lost: the re-run must not commit it as done
+    _flip_a_byte(shard)
+    code, err = drafter(monkeypatch, capsys, "verify", out.uri)
+    assert code == 4 and "train.jsonl: corrupt object" in err and "sha256 mismatch" in err
+    (shard.parent / "_SUCCESS.json").unlink()
+    with pytest.raises(CorruptObject, match=r"1 of 3 shards failed verification before commit .*train.jsonl"):
+        prepare.run(cfg, store)
+    assert not (shard.parent / "_SUCCESS.json").exists()
+    assert "train.jsonl" not in out.completed_shards()  # its marker is gone: the next run redoes it
+    again = prepare.run(cfg, store)
+    assert again.status == "done" and again.meta == first.meta
+    monkeypatch.setattr(sys, "argv", ["drafter", "verify", out.uri])
+    with pytest.raises(SystemExit) as done:
+        cli.main()
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip().endswith("3 shards, " + f"{first.manifest.total_bytes / 1e6:.2f} MB verified (sha256): ok")
