@@ -27,7 +27,7 @@ from pathlib import Path, PurePath
 from pydantic import BaseModel, Field, ValidationError
 
 from drafter.errors import DrafterError
-from drafter.hashing import CHUNK, canonical_json, hash_file, sha256_hex, short_hash
+from drafter.hashing import CHUNK, canonical_json, hash_chunks, hash_file, sha256_hex, short_hash
 from drafter.store import CorruptObject, ObjectNotFound, ObjectStore, StoreError, check_key
 
 log = logging.getLogger(__name__)
