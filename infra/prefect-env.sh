@@ -13,3 +13,4 @@ PREFECT="$VENV/bin/prefect"
 RUN_DIR="$PREFECT_HOME/run"
 POOL="${DRAFTER_WORK_POOL:-drafter-local}"
 mkdir -p "$RUN_DIR"
+export PREFECT_LOGGING_EXTRA_LOGGERS="${PREFECT_LOGGING_EXTRA_LOGGERS:-drafter}"  # library warnings (storage retries, reaped servers) in the run log
