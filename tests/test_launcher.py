@@ -332,6 +332,19 @@ def test_preflight_refuses_busy_gpus(tmp_path, fake_nvidia_smi):
         {"pid": 4242, "used_mib": 76000.0, "gpu_uuid": None}, {"pid": 99, "used_mib": None, "gpu_uuid": None}]
 
 
+def test_preflight_does_not_count_the_launching_process_as_a_competitor(tmp_path, fake_nvidia_smi):
+    """train / export on the GPU earlier in the same flow-run process leave it holding GPU memory:
+    a note, not a refusal (found on the H200: the bench after an in-process train was refused)."""
+    mem, apps = fake_nvidia_smi
+    apps.write_text(f"{os.getpid()}, 12810 MiB, GPU-aaaa\n")
+    notes = preflight(fake_spec(tmp_path))
+    assert any(f"this process (pid {os.getpid()}) holds GPU memory: 12810 MiB" in n for n in notes)
+    apps.write_text(f"{os.getpid()}, 12810 MiB, GPU-aaaa\n4242, 100 MiB, GPU-aaaa\n")
+    with pytest.raises(ServerConfigError, match=r"pid 4242 \(100 MiB\)") as err:
+        preflight(fake_spec(tmp_path))
+    assert str(os.getpid()) not in str(err.value)
+
+
 def test_teardown_reports_gpu_memory_that_is_not_released(tmp_path, fake_nvidia_smi):
     mem, _ = fake_nvidia_smi
     spec = fake_spec(tmp_path)

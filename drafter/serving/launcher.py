@@ -341,10 +341,18 @@ def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_
         state = gpu_state(spec.env)
         if state is None:
             notes.append("nvidia-smi not available: GPU occupancy not checked")
-        elif state["apps"]:
-            busy = ", ".join(f"pid {a['pid']} ({a['used_mib']:.0f} MiB)" if a["used_mib"] is not None
-                             else f"pid {a['pid']}" for a in state["apps"])
-            problems.append(f"GPUs are in use by other compute processes: {busy}")
+        else:
+            # This process itself may hold GPU memory (train / export ran earlier in the same flow
+            # run): that is the launcher, not a competing server.
+            me = [a for a in state["apps"] if a["pid"] == os.getpid()]
+            others = [a for a in state["apps"] if a["pid"] != os.getpid()]
+            if me:
+                notes.append(f"this process (pid {os.getpid()}) holds GPU memory: "
+                             f"{sum(a['used_mib'] or 0 for a in me):.0f} MiB (earlier in-process stages)")
+            if others:
+                busy = ", ".join(f"pid {a['pid']} ({a['used_mib']:.0f} MiB)" if a["used_mib"] is not None
+                                 else f"pid {a['pid']}" for a in others)
+                problems.append(f"GPUs are in use by other compute processes: {busy}")
 
     if problems:
         raise ServerConfigError("preflight failed: " + "; ".join(problems), engine=spec.engine,

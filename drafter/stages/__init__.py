@@ -14,6 +14,7 @@ fails naming them when they were never committed). Adding a stage = one module +
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -96,9 +97,20 @@ class StageTable:
             progress: Progress | None = None, on_line: Callable[[str], None] | None = None) -> StageResult:
         """Run one stage with its upstream fingerprints resolved from the table."""
         fps = fingerprints or self.fingerprints(cfg)
-        result = self[name].code.run(cfg, store, upstream=fps.upstream(name), progress=progress, on_line=on_line)
+        try:
+            result = self[name].code.run(cfg, store, upstream=fps.upstream(name), progress=progress, on_line=on_line)
+        finally:
+            _release_gpu_cache()
         fps.record(result)
         return result
+
+
+def _release_gpu_cache() -> None:
+    """Hand the GPU memory a stage cached in this process back to the device, so a server that a
+    later stage of the same flow run starts finds it free (torch only if a stage loaded it)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 class Fingerprints:
