@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from drafter.training import attention as attn_mod
-from drafter.training.static_step import plan_static, static_ttt_loss
+from drafter.training.static_step import bucket_rows, plan_static, static_ttt_loss
 from drafter.training.teacher import TargetHead
 from drafter.training.ttt import dense_ttt_loss, fast_ttt_loss, prepare
 from tests.test_training_units import _tiny
 
 
-@pytest.mark.parametrize("attention", ["math", "flash"])
-def test_static_step_equals_fast_path_and_dense_reference(attention, monkeypatch):
+@pytest.mark.parametrize("attention,tokens,docs", [("math", 48, 8), ("flash", 48, 8), ("flash", 80, 16)])
+def test_static_step_equals_fast_path_and_dense_reference(attention, tokens, docs, monkeypatch):
     """Padding to fixed shapes, one position set for every step and zero-weight loss rows change
     nothing: same loss, gradients and statistics (float64; `flash` runs the merge algebra with the
     plain varlen kernel, including the empty trailing documents of the padded layout)."""
@@ -20,10 +20,11 @@ def test_static_step_equals_fast_path_and_dense_reference(attention, monkeypatch
     m, embed, head, mb = _tiny()
     K, norm = 4, float(mb.num_tokens)
     th = TargetHead(head, m.t2d, "cpu", torch.float64, vocab_chunk=16)
-    sb = plan_static(mb, K, 0.8, norm, tokens=48, row_multiple=8, embed=embed).to("cpu", torch.float64)
+    sb = plan_static(mb, K, 0.8, norm, tokens=tokens, row_multiple=8, embed=embed).to("cpu", torch.float64)
     T, R = sb.pos.numel(), sb.S.numel()
-    assert T == 48 and R % 8 == 0 and R < T and sb.cu_seqlens.numel() == 8 + 1  # 6 docs + padding -> 8
-    assert sb.key == plan_static(mb, K, 0.8, 2 * norm, tokens=48, row_multiple=8, embed=embed).key
+    # 6 documents + padding documents of at most 16 tokens (1 or 3), slots rounded to a power of two
+    assert T == tokens and R % 8 == 0 and R < T and sb.cu_seqlens.numel() == docs + 1 and sb.max_len == 16
+    assert sb.key == plan_static(mb, K, 0.8, 2 * norm, tokens=tokens, row_multiple=8, embed=embed).key
     ls, stats_s = static_ttt_loss(m, th, sb, attention=attention)
     gs = torch.autograd.grad(ls, list(m.parameters()))
     si = prepare(mb, embed, th, K, "cpu", torch.float64)
@@ -49,3 +50,11 @@ def test_static_plan_covers_every_loss_position_and_pads_without_loss():
     assert bool((sb.aux[n:] == 0).all()) and sb.doc[n:].unique().tolist() == [len(mb.doc_lens)]
     # a micro-batch longer than the budget keeps all of its tokens
     assert plan_static(mb, K, 0.8, 1.0, tokens=8, row_multiple=16, embed=embed).pos.numel() == 48
+
+
+def test_row_buckets_waste_at_most_an_eighth_and_stay_few():
+    sizes = {bucket_rows(n, 128) for n in range(1, 16385)}
+    assert all(bucket_rows(n, 128) >= n and bucket_rows(n, 128) <= max(128, n * 1.125 + 1) or n < 1024
+               for n in range(1, 16385))
+    assert bucket_rows(1270, 128) == 1280 and bucket_rows(1, 128) == 128
+    assert len(sizes) <= 8 * 7 + 8  # ~8 per doubling from 1024 to 16384, multiples of 128 below

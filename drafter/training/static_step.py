@@ -5,7 +5,8 @@ and with the teacher's output, so its ~thousand small kernels are launched one b
 Python and the GPU waits on the CPU. Here every shape is fixed by a small key, so one CUDA graph
 per key replays the whole forward and backward with one launch (`GraphedTTT`):
 
-- the micro-batch is padded to `T` tokens (a trailing document without loss);
+- the micro-batch is padded to `T` tokens (trailing documents without loss, none longer than
+  the real ones);
 - every TTT step runs at the same position set S: the positions with a loss-mask token at some
   step (lm[t + k] inside t's document), padded with other positions to a multiple of
   `row_multiple`. Exact for the same reason as the fast path: a position outside
@@ -21,6 +22,7 @@ CPU against the fast and the dense implementations).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 
 import torch
@@ -31,6 +33,8 @@ from drafter.training.teacher import TargetHead, linear_soft_cross_entropy
 from drafter.training.ttt import (MicroBatch, _after_attention, _final_norm, _first_step_inputs, _fn,
                                   _next_step_inputs, doc_positions, embed_next, step_stats)
 
+log = logging.getLogger(__name__)
+
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
@@ -40,6 +44,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def bucket_rows(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of max(multiple, an eighth of n's power of two): at most 12.5%
+    extra rows, and about 8 distinct sizes (CUDA graphs) per doubling of n."""
+    step = max(multiple, 1 << max(0, n.bit_length() - 4))
+    return _round_up(max(1, n), step)
+
+
 @dataclass
 class StaticBatch:
     """A micro-batch laid out for the fixed-shape step (CPU tensors from `plan_static`, or the
@@ -47,7 +58,7 @@ class StaticBatch:
 
     S: torch.Tensor           # int64 [R]: the positions every TTT step runs at (sorted)
     pos: torch.Tensor         # int64 [T]: position inside the document
-    doc: torch.Tensor         # int64 [T]: document index (the padding is one more document)
+    doc: torch.Tensor         # int64 [T]: document index (padding documents come last)
     cu_seqlens: torch.Tensor  # int32 [D + 1]: document starts, trailing empty documents up to D
     rows: torch.Tensor        # int64 [K * R]: teacher row (index into S) of step k at S[j], 0 if no loss
     lm: torch.Tensor          # bool [K, R]: loss mask of step k at S[j] (accuracy denominators)
@@ -98,7 +109,7 @@ def plan_static(mb: MicroBatch, K: int, decay: float, norm: float, tokens: int, 
     lmk[:, :n] = valid & lm[torch.where(valid, t[None] + ks, t[None])]
     active = lmk.any(0)
     s_real = active.nonzero().flatten()
-    R = min(T, _round_up(max(1, s_real.numel()), row_multiple))
+    R = min(T, bucket_rows(s_real.numel(), row_multiple))
     S = torch.cat([s_real, (~active).nonzero().flatten()[:R - s_real.numel()]]).sort().values
     where = torch.full((T,), -1, dtype=torch.int64)
     where[S] = torch.arange(R)
@@ -108,20 +119,25 @@ def plan_static(mb: MicroBatch, K: int, decay: float, norm: float, tokens: int, 
     assert bool((rows >= 0).all()), "a loss position outside S"
     w = torch.where(lmS, (decay ** ks.double()) / norm, 0.0)
     pad = T - n
+    # The padding is split into documents no longer than the real ones (rounded to a power of
+    # two), so the attention kernel's max length, and the shape key, do not follow the padding.
     n_docs = len(mb.doc_lens)
-    D = _pow2(n_docs + 1)
-    starts = torch.cumsum(torch.tensor([0] + list(mb.doc_lens), dtype=torch.int64), 0)
+    max_len = min(T, _pow2(max(max(mb.doc_lens), 1)))
+    pad_lens = [max_len] * (pad // max_len) + ([pad % max_len] if pad % max_len else [])
+    lens = list(mb.doc_lens) + pad_lens
+    D = _pow2(len(lens))
     cu = torch.full((D + 1,), T, dtype=torch.int32)
-    cu[:n_docs + 1] = starts.to(torch.int32)
+    cu[:len(lens) + 1] = torch.cumsum(torch.tensor([0] + lens, dtype=torch.int64), 0).to(torch.int32)
+    pad_doc, pad_pos, _ = doc_positions(pad_lens) if pad_lens else (torch.zeros(0, dtype=torch.int64),) * 3
     def zpad(x: torch.Tensor) -> torch.Tensor:  # on x's own device: the states need not visit the CPU
         x = x.reshape(x.shape[0], -1)
         return torch.cat([x, x.new_zeros(pad, x.shape[1])])
 
     return StaticBatch(
-        S=S, pos=torch.cat([pos, torch.arange(pad)]), doc=torch.cat([doc, torch.full((pad,), n_docs)]),
+        S=S, pos=torch.cat([pos, pad_pos]), doc=torch.cat([doc, pad_doc + n_docs]),
         cu_seqlens=cu, rows=rows.flatten(), lm=lmS, w=w.flatten(),
         e_next=zpad(e_next), aux=zpad(mb.aux), final=zpad(mb.final),
-        max_len=min(T, _pow2(max(max(mb.doc_lens), pad, 1))), num_tokens=n)
+        max_len=max_len, num_tokens=n)
 
 
 def static_ttt_loss(model: Eagle3Drafter, head: TargetHead, sb: StaticBatch, attention: str = "auto",
@@ -204,7 +220,7 @@ class GraphedTTT:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(self.warmup):  # compiles, and settles the allocator before capture
+            for _ in range(self.warmup if not self.graphs else 1):  # compiles (first key), settles the allocator
                 loss, _stats = self._loss(buf)
                 loss.backward()
         torch.cuda.current_stream().wait_stream(side)
@@ -222,6 +238,7 @@ class GraphedTTT:
         key = host.key
         if key not in self.graphs:
             self.graphs[key] = self._capture(host)
+            log.info("captured CUDA graph %d for shape %s", len(self.graphs), key[:4])
         graph, buf, out = self.graphs[key]
         buf.copy_(host)
         graph.replay()
