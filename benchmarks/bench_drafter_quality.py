@@ -60,7 +60,7 @@ def profile(args, target_dir: Path, corpus: Path) -> dict:
                   "epochs": args.epochs, "learning_rate": 3e-4 if gpu else 3e-3, "max_length": 512 if gpu else 128,
                   "tokens_per_micro_batch": 16384 if gpu else 1024, "eval_every_steps": 200,
                   "save_every_steps": 1000, "device": "cuda" if gpu else "cpu",
-                  "compile": gpu, "cuda_graphs": gpu},
+                  "compile": gpu and not args.plain_train, "cuda_graphs": gpu and not args.plain_train},
         # Record, do not refuse: this benchmark measures the figures the gate would judge.
         "export": {"eval_prompts": args.prompts, "judge_max_new_tokens": args.max_new_tokens,
                    "min_accept_ratio": 0.01, "min_accept_length": 1.0, "device": "cuda" if gpu else "cpu",
@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--steps", default="1,3,5", help="draft steps to judge at (topk 1)")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--plain-train", action="store_true", help="train without compile / CUDA graphs")
     ap.add_argument("--bench", action="store_true", help="then run the bench stage (baseline vs --bench-steps)")
     ap.add_argument("--bench-steps", default="3,1", help="draft steps of the swept settings (topk 1, steps + 1 tokens)")
     ap.add_argument("--bench-prompts", type=int, default=16)
