@@ -35,9 +35,9 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH)"
 	$(VLLM_PY) -c "import torch; print('torch==' + torch.__version__)" > $(VLLM_VENV)/torch-constraint.txt
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/torch-constraint.txt "$(VLLM)"
-	# Registry torchvision/torchaudio builds do not match the CPU torch and break vLLM's imports.
-	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio
-	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"
+	# Registry torchvision/torchaudio/torchcodec builds are CUDA builds: they break vLLM's imports on CPU.
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm, vllm.entrypoints.openai.api_server; print('vllm', vllm.__version__)"
 	touch $@
 
 # The real-vLLM tests find the engine through DRAFTER_VLLM_PYTHON; they fail (not skip) without it.

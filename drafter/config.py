@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from drafter.errors import DrafterError
-from drafter.layers import LAYER_ID_CONVENTION, aux_layer_id_problem, default_aux_layer_ids
+from drafter.layers import READ_VERSIONS, LAYER_ID_CONVENTION, aux_layer_id_problem, default_aux_layer_ids
 
 __all__ = ["LAYER_ID_CONVENTION", "default_aux_layer_ids", "ConfigError", "LifecycleConfig", "load_config",
            "parse_config", "OutputField", "OperationalField", "fingerprint_fields"]
@@ -308,6 +308,11 @@ class ExportConfig(Strict):
                     "tokens generated before it")
     vllm_speculative_tokens: int = OutputField(
         3, ge=1, description="speculators_config proposal_methods[0].speculative_tokens of the vLLM export")
+    # The layer ids an engine must be given depend on its version (drafter.layers.engine_layer_ids);
+    # the serve stage re-checks them against the engine it finds installed.
+    sglang_version: str = OutputField(READ_VERSIONS["sglang"], description="SGLang version the SGLang export's layer ids are "
+                                                            "written for")
+    vllm_version: str = OutputField(READ_VERSIONS["vllm"], description="vLLM version the vLLM export's layer ids are written for")
     device: str = OperationalField("auto", description="judge device: cpu, cuda, cuda:N or auto")
 
     @field_validator("judge_bucket_edges")
@@ -354,6 +359,9 @@ class SpeculativeConfig(Strict):
 
 class ServeConfig(Strict):
     engine: Literal["reference", "sglang", "vllm", "command"] = OutputField("reference")
+    python: str | None = OperationalField(
+        None, description="interpreter of the engine's own environment that launches sglang / vllm (e.g. "
+                          ".venv-vllm/bin/python); default: this interpreter")
     host: str = OperationalField("127.0.0.1")
     port: int = OperationalField(30000, ge=1, le=65535)
     draft_path: str | None = OutputField(None, description="drafter directory; default = this run's export")

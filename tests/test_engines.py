@@ -99,7 +99,7 @@ def test_vllm_command_line(tmp_path):
     cfg = kimi_config("vllm", disable_cuda_graph=True, max_running_requests=16)
     spec = make_engine("vllm").build_launch(cfg, cfg.serve.draft_path, tmp_path)
     argv = spec.argv
-    assert argv[:3] == ["vllm", "serve", "/models/Kimi-K2.5"]
+    assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/Kimi-K2.5"]
     assert flag(argv, "--tensor-parallel-size") == "8"
     assert flag(argv, "--served-model-name") == "kimi-k2.5"
     assert json.loads(flag(argv, "--speculative-config")) == {

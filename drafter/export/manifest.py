@@ -26,9 +26,10 @@ def export_manifest(*, target: TargetInfo, target_fingerprint: str, train_finger
         "layer_ids": {
             "trained": {"ids": [int(i) for i in our_aux_ids], "convention": LAYER_ID_CONVENTION},
             "sglang": {"eagle_aux_hidden_state_layer_ids": sglang["eagle_aux_hidden_state_layer_ids"],
-                       "rule": sglang["rule"]},
+                       "rule": sglang["rule"], "engine_version": sglang["engine_version"]},
             **({"vllm": {"eagle_aux_hidden_state_layer_ids": vllm["eagle_aux_hidden_state_layer_ids"],
-                         "convention": VLLM_LAYER_ID_CONVENTION, "conversion": "+1"}} if vllm else {}),
+                         "convention": VLLM_LAYER_ID_CONVENTION, "rule": vllm["rule"],
+                         "engine_version": vllm["engine_version"]}} if vllm else {}),
         },
         "draft_vocab": {"size": int(len(d2t)), "target_vocab_size": vocab_size, "hash": draft_vocab_hash(d2t),
                         "source": train_meta.get("vocab_source"),

@@ -16,7 +16,7 @@ import torch
 
 from drafter.errors import DrafterError
 from drafter.hashing import short_hash
-from drafter.layers import LAYER_ID_CONVENTION
+from drafter.layers import LAYER_ID_CONVENTION, READ_VERSIONS, EngineLayerIds, UnknownLayerIdRule, engine_layer_ids
 from drafter.model import (
     ARCHITECTURE, CONFIG_FILE, EXPECTED_KEYS, WEIGHTS_FILE, Eagle3DraftConfig, Eagle3Drafter, check_drafter_weights)
 
@@ -31,15 +31,6 @@ EAGLE_CONFIG_FIELDS = ("use_aux_hidden_state", "eagle_aux_hidden_state_layer_ids
 # Where we record our own ids in an engine's config (next to the ids the engine reads).
 PROVENANCE_KEY = "drafter_lifecycle"
 
-# Target architectures whose SGLang model captures `[i + 1 for i in ids]` (id i = output of layer i:
-# our convention, written unchanged). Contract section 8, read in sglang 0.5.23.
-_PLUS_ONE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                   "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Glm4MoeLiteForCausalLM")
-# deepseek_v2.py (DeepSeek-V3, Kimi-K2/K2.5) since sgl-project/sglang#25454: +1 only when ids[0] == 1.
-_DEEPSEEK_V2_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK2ForCausalLM",
-                      "KimiK25ForConditionalGeneration")
-
-
 class ExportError(DrafterError):
     """An export that must not be served. Never retried: the same inputs give the same export."""
 
@@ -51,22 +42,14 @@ class ExportCheckFailed(ExportError, ValueError):
     message lists every problem."""
 
 
-def sglang_layer_ids(our_ids: list[int], target_architecture: str) -> tuple[list[int], str]:
-    """(ids to write into the SGLang draft config, the rule used) so that SGLang captures the
-    outputs of our layers `our_ids`. Refuses architectures whose rule we have not read."""
-    ids = [int(i) for i in our_ids]
-    if target_architecture in _PLUS_ONE_ARCHS:
-        return ids, "sglang>=0.5: layers_to_capture = [i + 1 for i in ids]: written unchanged"
-    if target_architecture in _DEEPSEEK_V2_ARCHS:
-        if ids[0] == 1:
-            return ids, "sglang 0.5.23 deepseek_v2: +1 applied when ids[0] == 1: written unchanged"
-        if ids[0] == 0:
-            raise ExportError(f"aux layer ids {ids}: id 0 cannot be expressed for {target_architecture} on "
-                              "SGLang 0.5.23 (ids[0] == 1 switches its +1 on); pick ids starting at >= 1")
-        return [i + 1 for i in ids], "sglang 0.5.23 deepseek_v2: ids used as 'input of layer i': written +1"
-    raise ExportError(f"target architecture {target_architecture!r}: which layers SGLang captures for draft "
-                      f"config ids is not known for it (known: {', '.join(_PLUS_ONE_ARCHS + _DEEPSEEK_V2_ARCHS)}); "
-                      "refusing to guess (an off-by-one here serves the drafter on the wrong features)")
+def sglang_layer_ids(our_ids: list[int], target_architecture: str, sglang_version: str = READ_VERSIONS["sglang"]
+                     ) -> EngineLayerIds:
+    """The ids to write into an SGLang draft config (drafter.layers.engine_layer_ids), an unknown
+    combination refused as an ExportError naming it."""
+    try:
+        return engine_layer_ids(our_ids, "sglang", sglang_version, target_architecture)
+    except UnknownLayerIdRule as err:
+        raise ExportError(str(err)) from None
 
 
 def draft_target_ids(d2t: torch.Tensor) -> torch.Tensor:
@@ -117,13 +100,14 @@ class TargetInfo:
 # --------------------------------------------------------------------------- writing
 
 def write_sglang(drafter: Eagle3Drafter, target: TargetInfo, out_dir: str | Path,
-                 our_aux_ids: list[int]) -> dict[str, Any]:
+                 our_aux_ids: list[int], sglang_version: str = READ_VERSIONS["sglang"]) -> dict[str, Any]:
     """Write the SGLang-format directory; returns what was written (ids, rule, dtype)."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ids, rule = sglang_layer_ids(our_aux_ids, target.architecture)
+    mapped = sglang_layer_ids(our_aux_ids, target.architecture, sglang_version)
+    ids, rule = mapped.ids, mapped.rule
     dtype = drafter.lm_head.weight.dtype
     tensors = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k != EMBED_KEY}
     tensors[EMBED_KEY] = target.embedding().to(dtype).contiguous()
@@ -132,10 +116,12 @@ def write_sglang(drafter: Eagle3Drafter, target: TargetInfo, out_dir: str | Path
     cfg.torch_dtype = str(dtype).removeprefix("torch.")
     data = cfg.to_json_dict()
     data[PROVENANCE_KEY] = {"aux_layer_ids": [int(i) for i in our_aux_ids], "layer_id_convention": LAYER_ID_CONVENTION,
-                            "sglang_layer_ids_rule": rule, "target_architecture": target.architecture}
+                            "sglang_layer_ids_rule": rule, "target_architecture": target.architecture,
+                            "engine_version": mapped.engine_version}
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
-    return {"eagle_aux_hidden_state_layer_ids": ids, "rule": rule, "dtype": cfg.torch_dtype}
+    return {"eagle_aux_hidden_state_layer_ids": ids, "rule": rule, "engine_version": mapped.engine_version,
+            "dtype": cfg.torch_dtype}
 
 
 # --------------------------------------------------------------------------- checking (read back)
@@ -149,7 +135,7 @@ def _shift_hint(got: list[int], want: list[int]) -> str:
 
 
 def check_sglang_export(out_dir: str | Path, source: Eagle3Drafter, target: TargetInfo,
-                        our_aux_ids: list[int]) -> list[str]:
+                        our_aux_ids: list[int], sglang_version: str = READ_VERSIONS["sglang"]) -> list[str]:
     """Every problem with the SGLang export at `out_dir`, read back from disk, against what SGLang
     loads (keys, shapes, config fields), the trained drafter `source` (every tensor, the draft
     vocab) and the target (vocab, hidden size, embedding, layer ids). Empty = good."""
@@ -168,7 +154,7 @@ def check_sglang_export(out_dir: str | Path, source: Eagle3Drafter, target: Targ
         problems.append(f"{CONFIG_FILE} lacks fields SGLang reads (it would fall back to defaults): {missing}")
     if data.get("architectures") != [ARCHITECTURE]:
         problems.append(f"architectures={data.get('architectures')}, expected [{ARCHITECTURE!r}]")
-    want_ids, _ = sglang_layer_ids(our_aux_ids, target.architecture)
+    want_ids = sglang_layer_ids(our_aux_ids, target.architecture, sglang_version).ids
     got_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if got_ids is not None and [int(i) for i in got_ids] != want_ids:
         problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids={got_ids}, expected {want_ids} (the drafter "

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from drafter.export.sglang import EMBED_KEY, PROVENANCE_KEY, TargetInfo
-from drafter.layers import LAYER_ID_CONVENTION
+from drafter.export.sglang import EMBED_KEY, PROVENANCE_KEY, ExportError, TargetInfo
+from drafter.layers import (INPUT_OF_LAYER_CONVENTION, LAYER_ID_CONVENTION, READ_VERSIONS, EngineLayerIds,
+                            UnknownLayerIdRule, engine_layer_ids)
 from drafter.model import CONFIG_FILE, WEIGHTS_FILE, Eagle3DraftConfig
 
-VLLM_LAYER_ID_CONVENTION = "input-of-layer-0-based"  # vLLM / speculators / ModelOpt: HF hidden_states[i]
+VLLM_LAYER_ID_CONVENTION = INPUT_OF_LAYER_CONVENTION  # vLLM / speculators / ModelOpt: HF hidden_states[i]
 ARCHITECTURES = ["Eagle3DraftModel"]                # what speculators tags a saved Eagle-3 draft with
 # Our network (drafter.model): residual = the incoming hidden (un-normed), no norm on the fc input,
 # the PRE-norm hidden fed to the next step.
@@ -31,9 +32,14 @@ NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm":
 _RENAME = (("midlayer.", "layers.0."),)
 
 
-def vllm_layer_ids(our_ids: list[int]) -> list[int]:
-    """Our 'output of layer i' ids in vLLM's 'input of layer i' convention: +1."""
-    return [int(i) + 1 for i in our_ids]
+def vllm_layer_ids(our_ids: list[int], target_architecture: str, vllm_version: str = READ_VERSIONS["vllm"]
+                   ) -> EngineLayerIds:
+    """Our 'output of layer i' ids in vLLM's 'input of layer i' convention (drafter.layers.engine_layer_ids:
+    +1), an unknown combination refused as an ExportError naming it."""
+    try:
+        return engine_layer_ids(our_ids, "vllm", vllm_version, target_architecture)
+    except UnknownLayerIdRule as err:
+        raise ExportError(str(err)) from None
 
 
 def vllm_key(sglang_key: str) -> str:
@@ -63,7 +69,7 @@ def _layer_config(cfg: Eagle3DraftConfig, target: TargetInfo) -> dict[str, Any]:
 
 
 def write_vllm(sglang_dir: str | Path, target: TargetInfo, out_dir: str | Path, our_aux_ids: list[int],
-               speculative_tokens: int) -> dict[str, Any]:
+               speculative_tokens: int, vllm_version: str = READ_VERSIONS["vllm"]) -> dict[str, Any]:
     """Convert the SGLang export at `sglang_dir` (read back from disk) into speculators format."""
     from safetensors.torch import load_file, save_file
 
@@ -73,7 +79,8 @@ def write_vllm(sglang_dir: str | Path, target: TargetInfo, out_dir: str | Path, 
     tensors = load_file(str(sglang_dir / WEIGHTS_FILE))
     with_maps = cfg.draft_vocab_size != target.vocab_size
     out = {vllm_key(k): v.contiguous() for k, v in tensors.items() if with_maps or k not in ("d2t", "t2d")}
-    ids = vllm_layer_ids(our_aux_ids)
+    mapped = vllm_layer_ids(our_aux_ids, target.architecture, vllm_version)
+    ids = mapped.ids
     data = {
         "architectures": ARCHITECTURES,
         "speculators_model_type": "eagle3",
@@ -93,19 +100,21 @@ def write_vllm(sglang_dir: str | Path, target: TargetInfo, out_dir: str | Path, 
             "layer_id_convention": VLLM_LAYER_ID_CONVENTION,
             "aux_layer_ids": [int(i) for i in our_aux_ids],
             "aux_layer_ids_convention": LAYER_ID_CONVENTION,
-            "conversion": "eagle_aux_hidden_state_layer_ids = aux_layer_ids + 1 (vLLM id i = input of layer i "
-                          "= output of layer i - 1)",
+            "conversion": mapped.rule,
+            "engine_version": mapped.engine_version,
+            "target_architecture": target.architecture,
             "vocab_maps": "d2t/t2d included" if with_maps else "left out: draft vocab == target vocab (vLLM "
                                                                "refuses d2t then)",
         },
     }
     save_file(out, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
-    return {"eagle_aux_hidden_state_layer_ids": ids, "vocab_maps": with_maps, "dtype": cfg.torch_dtype}
+    return {"eagle_aux_hidden_state_layer_ids": ids, "rule": mapped.rule, "engine_version": mapped.engine_version,
+            "vocab_maps": with_maps, "dtype": cfg.torch_dtype}
 
 
 def check_vllm_export(out_dir: str | Path, sglang_dir: str | Path, target: TargetInfo,
-                      our_aux_ids: list[int]) -> list[str]:
+                      our_aux_ids: list[int], vllm_version: str = READ_VERSIONS["vllm"]) -> list[str]:
     """Every problem with the vLLM export read back, against the (checked) SGLang export."""
     from safetensors.torch import load_file
 
@@ -125,7 +134,7 @@ def check_vllm_export(out_dir: str | Path, sglang_dir: str | Path, target: Targe
                         "(offline loading fails)")
     if not spec.get("proposal_methods"):
         problems.append("speculators_config.proposal_methods is empty")
-    want = vllm_layer_ids(our_aux_ids)
+    want = vllm_layer_ids(our_aux_ids, target.architecture, vllm_version).ids
     if data.get("eagle_aux_hidden_state_layer_ids") != want:
         problems.append(f"eagle_aux_hidden_state_layer_ids={data.get('eagle_aux_hidden_state_layer_ids')}, expected "
                         f"{want} (our {list(our_aux_ids)} + 1: vLLM counts the input of layer i)")

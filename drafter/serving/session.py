@@ -25,10 +25,11 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from drafter.config import LifecycleConfig
 from drafter.secrets import expand_placeholders, resolve_all
-from drafter.serving.engines import check_speculative_settings, make_engine
+from drafter.serving.engines import check_speculative_settings, engine_python, make_engine
 from drafter.serving.errors import ServerConfigError, TeardownError
 from drafter.serving.gate import wait_until_ready
 from drafter.serving.launcher import OnLine, ServerProcess, TeardownReport, launch_file, preflight, reap_stale
+from drafter.serving.layer_check import check_draft_layer_ids
 
 log = logging.getLogger("drafter.serving")
 
@@ -115,6 +116,7 @@ class ServerSession:
         self.strict_settings, self.check_teardown = strict_settings, check_teardown
         self.base_url: str | None = None
         self.notes: list[str] = []
+        self.layer_ids: dict[str, Any] = {}   # what the layer-id check saw (engine version, ids, rule)
         self.process: ServerProcess | None = None
         self.teardown: TeardownReport | None = None
         self._stack: ExitStack | None = None
@@ -140,6 +142,13 @@ class ServerSession:
             for note in stale:
                 log.warning("%s", note)
             self.notes = stale + preflight(spec, cfg)
+            # the draft's layer ids against the rule of the engine version installed (field note 4)
+            self.layer_ids = check_draft_layer_ids(engine.name, self.draft_path, cfg.target.path, engine_python(cfg))
+            if self.layer_ids.get("engine_version"):
+                self.notes.append(f"{engine.name} {self.layer_ids['engine_version']} "
+                                  f"({self.layer_ids['version_source']}): layer ids "
+                                  + (f"{self.layer_ids['ids']} capture our {self.layer_ids['aux_layer_ids']}"
+                                     if self.layer_ids.get("checked") else f"not checked: {self.layer_ids['why']}"))
             for note in self.notes:
                 log.info("%s preflight: %s", engine.name, note)
             self.process = ServerProcess(spec, engine, self.log_path, self.on_line).start()

@@ -123,16 +123,19 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
             problems.append(f"the trained drafter's config has aux layer ids {trained_ids}, the configuration {ours}")
         require_good(problems, f"train/{upstream[TRAIN]}")
         sglang_dir, vllm_dir = work / SGLANG_DIR, work / VLLM_DIR
-        sglang = write_sglang(source, target, sglang_dir, ours)
-        require_good(check_sglang_export(sglang_dir, source, target, ours), "SGLang export (read back)")
+        ec = cfg.export
+        sglang = write_sglang(source, target, sglang_dir, ours, ec.sglang_version)
+        require_good(check_sglang_export(sglang_dir, source, target, ours, ec.sglang_version),
+                     "SGLang export (read back)")
         say(f"export: SGLang files checked key by key (ids {sglang['eagle_aux_hidden_state_layer_ids']})")
         vllm = None
         if "vllm" in cfg.export.formats:
             from drafter.export.vllm import check_vllm_export, write_vllm
 
-            vllm = write_vllm(sglang_dir, target, vllm_dir, ours, cfg.export.vllm_speculative_tokens)
-            require_good(check_vllm_export(vllm_dir, sglang_dir, target, ours), "vLLM export (read back)")
-            say(f"export: vLLM files checked (ids {vllm['eagle_aux_hidden_state_layer_ids']}, ours + 1)")
+            vllm = write_vllm(sglang_dir, target, vllm_dir, ours, ec.vllm_speculative_tokens, ec.vllm_version)
+            require_good(check_vllm_export(vllm_dir, sglang_dir, target, ours, ec.vllm_version),
+                         "vLLM export (read back)")
+            say(f"export: vLLM files checked (ids {vllm['eagle_aux_hidden_state_layer_ids']}: {vllm['rule']})")
         manifest = export_manifest(
             target=target, target_fingerprint=inputs["target_fp"], train_fingerprint=upstream[TRAIN],
             train_meta=train_meta, dump_fingerprint=inputs["dump_fp"], prepare_fingerprint=inputs["prepare_fp"],

