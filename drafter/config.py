@@ -312,6 +312,12 @@ class ExportConfig(Strict):
     # the serve stage re-checks them against the engine it finds installed.
     sglang_version: str = OutputField(READ_VERSIONS["sglang"], description="SGLang version the SGLang export's layer ids are "
                                                             "written for")
+    vllm_judge: "ServeConfig | None" = OutputField(
+        None, description="also judge the vLLM export with real vLLM: the serve section of its server (python, "
+                          "port, env, extra_args, timeouts; engine and speculation are set by the judge)")
+    judge_agreement_tolerance: float = OutputField(
+        0.1, gt=0, description="the vLLM judge must agree with the reference judge within this (accept length "
+                               "and each per-position acceptance rate)")
     vllm_version: str = OutputField(READ_VERSIONS["vllm"], description="vLLM version the vLLM export's layer ids are written for")
     device: str = OperationalField("auto", description="judge device: cpu, cuda, cuda:N or auto")
 
@@ -403,6 +409,9 @@ class ServeConfig(Strict):
                 if name not in self.secrets:
                     raise ValueError(f"{{secret:{name}}} needs serve.secrets.{name} (a reference)")
         return self
+
+
+ExportConfig.model_rebuild()  # export.vllm_judge is a ServeConfig, defined after it
 
 
 class BenchConfig(Strict):

@@ -44,7 +44,10 @@ def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
     """The export section's output fields, the target (content and local path: the vLLM config
     names it as its verifier; dtype: the judge runs in it), the aux layer ids and the trained
     drafter. The prepare output is implied by the train fingerprint (train -> dump -> prepare)."""
-    config = {"export": fingerprint_fields(cfg.export), "target": target_identity(cfg.target),
+    export = fingerprint_fields(cfg.export)
+    if cfg.export.vllm_judge is not None:  # its port, timeouts, interpreter do not change the judgement
+        export["vllm_judge"] = fingerprint_fields(cfg.export.vllm_judge)
+    config = {"export": export, "target": target_identity(cfg.target),
               "target_path": str(Path(cfg.target.path).resolve()), "target_dtype": cfg.target.dtype,
               "aux_layer_ids": cfg.aux_layer_ids(), "layer_id_convention": LAYER_ID_CONVENTION,
               "export_format": EXPORT_FORMAT_VERSION}
@@ -140,8 +143,14 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
             target=target, target_fingerprint=inputs["target_fp"], train_fingerprint=upstream[TRAIN],
             train_meta=train_meta, dump_fingerprint=inputs["dump_fp"], prepare_fingerprint=inputs["prepare_fp"],
             our_aux_ids=ours, sglang=sglang, vllm=vllm, d2t=source.d2t, vocab_size=target.vocab_size)
-        judge = _judge(cfg, store, inputs["prepare_fp"], sglang_dir, train_meta, progress, say)
+        judge, prompts = _judge(cfg, store, inputs["prepare_fp"], sglang_dir, train_meta, progress, say)
+        if ec.vllm_judge is not None:
+            if vllm is None:
+                raise ExportError("export.vllm_judge judges the vLLM export: add 'vllm' to export.formats")
+            judge["vllm"], judge["agreement"] = _judge_vllm(cfg, vllm_dir, prompts, judge, progress, on_line, say)
         manifest["judge"] = {k: judge[k] for k in ("accept_length", "num_steps", "prompts")}
+        if "vllm" in judge:
+            manifest["judge"]["vllm_accept_length"] = judge["vllm"]["accept_length"]
         shards = [(f"{SGLANG_DIR}/{n}", sglang_dir / n) for n in (CONFIG_FILE, WEIGHTS_FILE)]
         if vllm is not None:
             shards += [(f"{VLLM_DIR}/{n}", vllm_dir / n) for n in (CONFIG_FILE, WEIGHTS_FILE)]
@@ -178,7 +187,32 @@ def _judge(cfg: LifecycleConfig, store: ObjectStore, prepare_fp: str, sglang_dir
     report["verdict"] = judge_check(report, ec.min_accept_length, ec.min_accept_ratio)
     say(f"export: offline accept length {report['accept_length']:.3f} "
         f"(predicted {(report.get('predicted') or {}).get('accept_length', float('nan')):.3f})")
-    return report
+    return report, prompts
+
+
+def _judge_vllm(cfg: LifecycleConfig, vllm_dir: Path, prompts: list[list[int]], reference: dict,
+                progress: Progress | None, on_line, say) -> tuple[dict, dict]:
+    """The vLLM export served by real vLLM on the reference judge's prompts: its own verdict (the
+    same thresholds) and its agreement with the reference judge."""
+    from drafter.export.judge import JudgedTooLow
+    from drafter.export.vllm_judge import agreement, judge_with_vllm
+
+    ec = cfg.export
+    say(f"export: judging the vLLM export with vLLM ({len(prompts)} prompts)")
+    report = judge_with_vllm(cfg, vllm_dir, prompts, num_steps=ec.judge_num_steps,
+                             max_new_tokens=ec.judge_max_new_tokens, on_line=on_line,
+                             on_prompt=(lambda done, total: progress(done, total, "prompts judged by vLLM"))
+                             if progress else None)
+    if reference.get("predicted"):
+        report["predicted"] = reference["predicted"]
+    try:
+        report["verdict"] = judge_check(report, ec.min_accept_length, ec.min_accept_ratio)
+    except JudgedTooLow as err:
+        raise JudgedTooLow(f"vLLM judge (vllm {report['engine_version']}): {err}") from None
+    agree = agreement(reference, report, ec.judge_agreement_tolerance)
+    say(f"export: vLLM accept length {report['accept_length']:.3f} (reference {reference['accept_length']:.3f}, "
+        f"agree within {ec.judge_agreement_tolerance})")
+    return report, agree
 
 
 def _result(out: StageOutput, skipped: bool) -> StageResult:
@@ -194,6 +228,10 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
         + (f", predicted {fmt(judge['predicted']['per_position'])}" if pred else ""),
         "by output length: " + ", ".join(f"{b['output_tokens']} {b['accept_length']:.2f} ({b['verifies']})"
                                          for b in judge["by_output_length"] if b["verifies"]),
+        *([f"vLLM judge (vllm {judge['vllm']['engine_version']}): accept length {judge['vllm']['accept_length']:.3f}, "
+           f"per position {fmt(judge['vllm']['per_position'])}; reference {judge['accept_length']:.3f}: agree within "
+           f"{judge['agreement']['tolerance']} (difference {judge['agreement']['accept_length_difference']:.3f})"]
+          if "vllm" in judge else []),
         f"layer ids {export['layer_ids']['trained']['ids']} (ours) -> SGLang "
         f"{export['layer_ids']['sglang']['eagle_aux_hidden_state_layer_ids']}"
         + (f", vLLM {export['layer_ids']['vllm']['eagle_aux_hidden_state_layer_ids']}" if "vllm" in export["layer_ids"]
@@ -202,6 +240,8 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
     table = [{"metric": "offline accept length", "value": f"{judge['accept_length']:.3f}"},
              {"metric": "predicted accept length", "value": f"{pred:.3f}" if pred else "-"},
              {"metric": "sglang accept length (completion / verifies)", "value": f"{judge['sglang_accept_length']:.3f}"},
+             {"metric": "vLLM accept length (real vLLM, /metrics deltas)",
+              "value": f"{judge['vllm']['accept_length']:.3f}" if "vllm" in judge else "-"},
              {"metric": "per position", "value": fmt(judge["per_position"])},
              {"metric": "draft vocab", "value": f"{export['draft_vocab']['size']} ({export['draft_vocab']['hash']})"},
              {"metric": "target", "value": export["target"]["fingerprint"]},

