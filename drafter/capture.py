@@ -58,6 +58,21 @@ class CaptureModel:
 _LOAD_LOCK = threading.Lock()
 
 
+def open_capture(cfg, device: torch.device, dtype: torch.dtype, aux_layer_ids: list[int]):
+    """The capture model of `dump.backend`: transformers on `device` (hf), or a vLLM worker (vllm).
+    Close it with `close_capture`."""
+    if cfg.dump.backend == "vllm":
+        from drafter.capture_vllm import load_vllm_capture
+
+        return load_vllm_capture(cfg, dtype, aux_layer_ids, work_root=cfg.dump.spool_dir)
+    return load_capture_model(cfg.target.path, device, dtype, aux_layer_ids, cfg.target.trust_remote_code)
+
+
+def close_capture(cm) -> None:
+    if hasattr(cm, "close"):
+        cm.close()
+
+
 def load_capture_model(model_path: str, device: torch.device, dtype: torch.dtype,
                        aux_layer_ids: list[int], trust_remote_code: bool = False) -> CaptureModel:
     with _LOAD_LOCK:
@@ -107,6 +122,8 @@ def capture_batch(cm: CaptureModel, sequences: list[list[int]]) -> list[tuple[to
     pads after it, so its states equal an unpadded run's up to float rounding of the longer kernels,
     and SDPA keeps its is_causal fast path. The decoder runs without lm_head (no logits needed).
     """
+    if not isinstance(cm, CaptureModel):  # another backend (drafter.capture_vllm) brings its own
+        return cm.capture_batch(sequences)
     longest = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), longest), cm.pad_id, dtype=torch.long)
     for row, seq in enumerate(sequences):

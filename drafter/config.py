@@ -229,6 +229,16 @@ class DumpConfig(Strict):
                           "host memory, about (upload_queue + upload_threads + 1) x shard size per device")
     upload_queue: int = OperationalField(1, ge=1, description="finished shards waiting for upload per device")
     upload_threads: int = OperationalField(2, ge=1, description="shards uploaded (and verified) in parallel per device")
+    # Where the target runs. hf and vllm give the same shards (same ids, final norm, format); the values
+    # differ by float rounding only, like devices do, so the backend is not part of the fingerprint.
+    backend: Literal["hf", "vllm"] = OperationalField(
+        "hf", description="hf: transformers in this process, one worker per device; vllm: vLLM's "
+                          "extract_hidden_states in its own environment, tp_size GPUs per copy (targets too large for one)")
+    python: str | None = OperationalField(
+        None, description="backend vllm: interpreter of the vLLM environment; default serve.python")
+    tp_size: int = OperationalField(1, ge=1, description="backend vllm: tensor-parallel GPUs per copy of the target")
+    vllm_args: dict[str, Any] = OperationalField(
+        default_factory=dict, description="backend vllm: extra vllm.LLM arguments (e.g. gpu_memory_utilization)")
 
 
 class TrainConfig(Strict):

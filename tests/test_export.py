@@ -53,7 +53,7 @@ def eval_conversations(tiny_conversations) -> list[dict]:
 
 
 def _commit_upstreams(store: FileStore, root: Path, target: Path, draft: Path, conversations: list[dict], *,
-                      target_fp: str | None = None, suffix: str = "") -> dict[str, str]:
+                      target_fp: str | None = None, suffix: str = "", aux: list[int] = AUX) -> dict[str, str]:
     """Committed prepare (eval split), dump (manifest only: the export reads its meta) and train outputs."""
     prep, dump, train = f"prep{suffix}0001", f"dump{suffix}0001", f"train{suffix}001"
     out = StageOutput(store, "prepare", prep)
@@ -62,7 +62,7 @@ def _commit_upstreams(store: FileStore, root: Path, target: Path, draft: Path, c
     out.commit({})
     out = StageOutput(store, "dump", dump)
     out.write_shard("hs-00000.safetensors", b"placeholder")
-    out.commit({"upstream": {"stage": "prepare", "fingerprint": prep}, "aux_layer_ids": AUX,
+    out.commit({"upstream": {"stage": "prepare", "fingerprint": prep}, "aux_layer_ids": aux,
                 "layer_id_convention": LAYER_ID_CONVENTION,
                 "target_fingerprint": target_fp or target_fingerprint(target)})
     out = StageOutput(store, "train", train)
@@ -71,7 +71,7 @@ def _commit_upstreams(store: FileStore, root: Path, target: Path, draft: Path, c
     row = {"split": "eval", "step": 10, "loss": [1.0, 2.0, 3.0], "acc": ACC, "cond_acc": ACC, "accept_length": 2.05}
     out.write_shard("metrics.jsonl", to_jsonl([row]))
     out.write_shard("curves.png", b"png")
-    out.commit({"steps": 10, "vocab_source": "counted over the training dump", "aux_layer_ids": AUX,
+    out.commit({"steps": 10, "vocab_source": "counted over the training dump", "aux_layer_ids": aux,
                 "layer_id_convention": LAYER_ID_CONVENTION, "train_dump": dump, "eval_dump": dump,
                 "dump_fingerprint": dump, "final_eval": row, "final_train": {**row, "split": "train"}})
     return {"train": train, "prepare": prep}

@@ -110,7 +110,8 @@ def plan_dump(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> DumpPlan:
         raise ValueError(f"dump reads the output of {UPSTREAM_STAGES}, not {upstream_stage!r}")
     upstream_fingerprint = upstream[upstream_stage]
     try:
-        devs = capture.resolve_devices(cfg.dump.devices)
+        # backend vllm: one worker; vLLM places the target itself (dump.tp_size GPUs), tensors come back on the CPU
+        devs = capture.resolve_devices(cfg.dump.devices) if cfg.dump.backend == "hf" else [torch.device("cpu")]
     except ValueError as e:
         raise ConfigError([("dump.devices", str(e))]) from None
     shape = cfg.target.resolved_shape()
@@ -124,7 +125,9 @@ def plan_dump(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> DumpPlan:
         raise ConfigError([("dump.aux_layer_ids", str(e))]) from None
     tok = AutoTokenizer.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
     return DumpPlan(cfg=cfg, upstream_stage=upstream_stage, upstream_fingerprint=upstream_fingerprint,
-                    devices=devs, dtype=capture.resolve_dtype(cfg.dump.dtype, cfg.target.dtype, devs[0]),
+                    devices=devs, dtype=capture.resolve_dtype(
+                        cfg.dump.dtype, cfg.target.dtype,
+                        torch.device("cuda") if cfg.dump.backend == "vllm" and torch.cuda.is_available() else devs[0]),
                     aux_layer_ids=ids, num_layers=num_layers, hidden_size=hidden, tokenizer=tok,
                     target_fingerprint=target_fingerprint(cfg.target.path, cfg.target.revision),
                     tokenizer_hash=tokenizer_hash(tok), template_hash=template_hash(tok))
@@ -227,7 +230,7 @@ class ShardBuild:
         return {"index": self.tok.index, "split": self.tok.split, "samples": len(self.writer),
                 "tokens": self.writer.num_tokens, "loss_tokens": self.loss_tokens, "truncated": self.tok.truncated,
                 "quarantined": self.tok.quarantined, "batches": len(self.batches), "device": str(self.cm.device),
-                "tokens_per_batch": dump.tokens_per_batch}
+                "tokens_per_batch": dump.tokens_per_batch, "backend": getattr(self.cm, "backend", "hf")}
 
     def empty_like(self) -> dict:
         h = self.cm.hidden_size
@@ -247,9 +250,17 @@ def _worker(plan: DumpPlan, device: torch.device, jobs: list[tuple[str, int]],
             out: StageOutput, spool: Path | None, on_done: Callable[[str], None], stop: threading.Event) -> None:
     """One device: tokenise ahead (thread), capture batch after batch, settle each batch once the
     next one is queued on the device, hand finished shards to the upload threads."""
+    cm = capture.open_capture(plan.cfg, device, plan.dtype, plan.aux_layer_ids)  # hf or vllm (dump.backend)
+    try:
+        _capture_shards(plan, cm, device, jobs, records, out, spool, on_done, stop)
+    finally:
+        capture.close_capture(cm)
+
+
+def _capture_shards(plan: DumpPlan, cm, device: torch.device, jobs: list[tuple[str, int]],
+                    records: dict[tuple[str, int], list[dict]], out: StageOutput, spool: Path | None,
+                    on_done: Callable[[str], None], stop: threading.Event) -> None:
     dump = plan.cfg.dump
-    cm = capture.load_capture_model(plan.cfg.target.path, device, plan.dtype, plan.aux_layer_ids,
-                                    plan.cfg.target.trust_remote_code)
     to_host = dump_pipeline.DeviceToHost(cm.device, dump.storage_dtype)
     uploader = dump_pipeline.ShardUploader(out, on_done, dump.upload_queue, dump.upload_threads)
     # The tokenizer thread owns cm.tokenizer (HF fast tokenizers are not thread-safe).
