@@ -168,8 +168,9 @@ def load_vllm_capture(cfg, dtype: torch.dtype, aux_layer_ids: list[int], work_ro
     read_fd, write_fd = os.pipe()
     # Run through runpy, not as `python drafter/vllm_capture_worker.py`: a script's directory goes first on
     # sys.path, and drafter/tokenize.py would shadow the standard library's tokenize in the vLLM process.
-    argv = [python, "-c", "import runpy, sys; runpy.run_path(sys.argv[0], run_name='__main__')", str(WORKER), "--model", t.path, "--layer-ids", json.dumps(layer_ids), "--out-dir", str(work / "hs"),
-            "--dtype", dtype_name(dtype), "--tensor-parallel-size", str(cfg.dump.tp_size),
+    run_script = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    argv = [python, "-c", run_script, str(WORKER), "--model", t.path, "--layer-ids", json.dumps(layer_ids),
+            "--out-dir", str(work / "hs"), "--dtype", dtype_name(dtype), "--tensor-parallel-size", str(cfg.dump.tp_size),
             "--max-model-len", str(cfg.dump.max_length + 1), "--result-fd", str(write_fd),
             "--engine-args", json.dumps(cfg.dump.vllm_args)]
     if t.trust_remote_code:

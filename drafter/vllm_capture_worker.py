@@ -13,6 +13,7 @@ CPU subclass below extracts and writes synchronously (contract section 9: it wor
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import sys
@@ -109,6 +110,9 @@ def main() -> int:
             files = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
             if any(f is None for f in files):
                 raise RuntimeError("vLLM returned no hidden_states_path (is the KV connector active?)")
+            for f in files:  # written after the request finished: wait for the writer's lock, as vLLM's reader does
+                with open(f + ".lock") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_SH)
             result.write(json.dumps({"files": files}) + "\n")
         except Exception as err:  # reported to the caller, which raises with the log tail
             result.write(json.dumps({"error": f"{type(err).__name__}: {err}"}) + "\n")
