@@ -107,3 +107,60 @@ def test_kimi_profile_validates_and_its_ids_capture_the_layers_it_names(tmp_path
     assert sglang.ids == [3, 31, 59] and sglang_0523_deepseek_v2_captures(sglang.ids) == ours
     vllm = engine_layer_ids(ours, "vllm", cfg.export.vllm_version, arch)
     assert vllm.ids == [3, 31, 59] and vllm_captures(vllm.ids) == ours
+
+
+# ------------------------------------------------------------------ serve: the installed engine's rule
+
+def _draft(tmp_path, written, ours, layout="sglang", version=None):
+    d = tmp_path / f"draft-{layout}"
+    d.mkdir(exist_ok=True)
+    record = {"aux_layer_ids": ours, **({"engine_version": version} if version else {})}
+    config = ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": written}} if layout == "sglang"
+              else {"eagle_aux_hidden_state_layer_ids": written})
+    (d / "config.json").write_text(json.dumps({**config, "drafter_lifecycle": record}))
+    return str(d)
+
+
+def _target(tmp_path, arch):
+    t = tmp_path / "target"
+    t.mkdir(exist_ok=True)
+    (t / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    return str(t)
+
+
+def _fake_python(tmp_path, version: str) -> str:
+    """An 'engine interpreter' whose installed engine reports `version`."""
+    path = tmp_path / "python"
+    path.write_text(f"#!/bin/sh\necho {version}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_serve_uses_the_installed_version_and_refuses_ids_it_would_read_one_layer_off(tmp_path):
+    from drafter.serving.errors import ServerConfigError
+    from drafter.serving.layer_check import check_draft_layer_ids
+
+    target = _target(tmp_path, "KimiK25ForConditionalGeneration")
+    good = _draft(tmp_path, [3, 31, 59], [2, 30, 58], version="0.5.23")
+    seen = check_draft_layer_ids("sglang", good, target, _fake_python(tmp_path, "0.5.23"))
+    assert seen["checked"] and seen["engine_version"] == "0.5.23" and seen["version_source"].startswith("installed")
+    # the ids as they were before the rule was known: one layer off on this version
+    bad = _draft(tmp_path, [2, 30, 58], [2, 30, 58], layout="speculators")
+    with pytest.raises(ServerConfigError, match=r"needs draft-config layer ids \[3, 31, 59\] .* has \[2, 30, 58\]"):
+        check_draft_layer_ids("sglang", bad, target, _fake_python(tmp_path, "0.5.23"))
+    # an installed version nobody read: refused by name, before any launch
+    with pytest.raises(ServerConfigError, match="no layer-id rule for engine 'sglang' version 0.5.24"):
+        check_draft_layer_ids("sglang", good, target, _fake_python(tmp_path, "0.5.24"))
+
+
+def test_serve_without_the_engine_importable_says_which_version_it_assumed(tmp_path):
+    import sys
+
+    from drafter.serving.layer_check import check_draft_layer_ids
+
+    target = _target(tmp_path, "LlamaForCausalLM")
+    draft = _draft(tmp_path, [1, 15, 28], [1, 15, 28], version="0.5.23")
+    seen = check_draft_layer_ids("sglang", draft, target, sys.executable)  # no sglang in the project env
+    assert seen["checked"] and seen["engine_version"] == "0.5.23"
+    assert "not importable" in seen["version_source"] and "the export was written for" in seen["version_source"]
+    assert check_draft_layer_ids("reference", draft, target, sys.executable)["checked"] is False
