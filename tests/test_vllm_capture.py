@@ -1,7 +1,8 @@
 """The `vllm` capture backend against the `hf` one, on the same samples of a random target (every
 layer different, a non-trivial final norm): same shards (names, samples, tokens, masks, structure,
 verified in the store) and the same hidden states within float32 rounding (atol = rtol = 1e-3;
-measured here: at most 1.7e-4 apart, on states of magnitude ~1-10).
+measured here: aux states at most 2.9e-4 apart on values up to 113, i.e. 3e-6 relative; final
+states 2.4e-5 on values up to 6).
 One vLLM load (~40 s here)."""
 from __future__ import annotations
 
