@@ -118,7 +118,8 @@ def _engine_core_pid(line: str) -> int | None:
 def test_a_stalled_real_vllm_is_detected_and_torn_down(exported, vllm_py, tmp_path):
     """SIGSTOP of the real server's process group on its first log line: no more progress."""
     target, _, _ = exported
-    cfg = _cfg(target, vllm_py, tmp_path, stall_timeout_s=8)
+    # long enough for the first log line on a busy machine (imports), short enough to be cheap
+    cfg = _cfg(target, vllm_py, tmp_path, stall_timeout_s=30)
     stopped = []
 
     def on_line(line: str) -> None:

@@ -1,6 +1,7 @@
 """Offline judgement of an export: the EXPORTED SGLang-format files loaded into the reference
 engine's speculative decoder (drafter.serving.speculative, the same code the reference server
 runs) with the real target, greedy, chain drafting (topk 1), on held-out prompts.
+The second judge, real vLLM on the vLLM export, is drafter.export.vllm_judge.
 
 Figures (all over verify steps, the bonus token included where it says accept length):
 - accept_length: 1 + accepted drafts / verifies: what training's simulated accept length predicts

@@ -8,7 +8,8 @@ Output (`export/<fingerprint>/`):
     sglang/config.json, sglang/model.safetensors   LlamaForCausalLMEagle3, target embedding included
     vllm/config.json,   vllm/model.safetensors     speculators eagle3 (with export.formats: vllm)
     export.json                                     the export manifest (drafter.export.manifest)
-    judge.json                                      the offline judgement and its verdict
+    judge.json                                      the offline judgement and its verdict; with
+                                                    export.vllm_judge also real vLLM's (`vllm`, `agreement`)
 Manifest meta: {"export": <export.json>, "judge": <judge.json>}.
 
 Refusals (ExportError and subclasses, never retried), each naming its cause: a drafter trained
