@@ -95,6 +95,15 @@ def test_a_new_stage_is_one_module_and_one_row(tmp_path, monkeypatch, tiny_targe
         assert "count" in run.parameters.model_dump()["properties"]["stages"]["items"]["enum"]
         first = run(config=cfg, stages=["count", "prepare"])  # run in table order whatever the order given
         again = run(config=cfg, stages=["count"])
+        # an expected failure is the CLI's one line in the run log too
+        other = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seed": 7})})
+        with pytest.raises(Exception):
+            run(config=other, stages=["count"])
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            messages = [entry.message for entry in client.read_logs()]
+        assert any(m.startswith("count: error (ObjectNotFound): prepare is not committed") for m in messages), messages
     prepared = prepare.fingerprint(cfg)
     assert first["prepare"]["status"] == "done" and first["count"]["status"] == "done"
     assert first["count"]["meta"] == {"conversations": 9, "prepare": prepared}
