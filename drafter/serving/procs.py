@@ -13,7 +13,8 @@ The watchdog: the launcher starts it next to the server with the read end of a p
 end only the launcher holds. When the launcher dies, by any signal including SIGKILL, the kernel
 closes the write end, the watchdog reads EOF and ends the server (SIGTERM, a grace period,
 SIGKILL). A normal teardown closes the pipe after the server is gone, and the watchdog finds
-nothing to do.
+nothing to do. Limit: a child the launcher forks without exec (multiprocessing's fork) holds a copy
+of the write end, so the watchdog fires only once that child is gone too.
 """
 from __future__ import annotations
 
