@@ -75,5 +75,7 @@ def test_unresolvable_or_literal_secrets_are_refused_before_any_launch(tmp_path,
     with pytest.raises(ConfigError, match="serve: secrets.HF_TOKEN: not a secret reference") as info:
         parse_config(secret_profile(tmp_path, PLANTED))
     assert PLANTED not in str(info.value)
+    # outside Prefect (the tasks register the prefect: resolver when they are imported)
+    monkeypatch.setattr("drafter.secrets._RESOLVERS", {})
     with pytest.raises(SecretError, match="prefect: references resolve only inside a Prefect run"):
         check_server(parse_config(secret_profile(tmp_path, "prefect:hf-token")))
