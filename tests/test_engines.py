@@ -70,7 +70,7 @@ def test_sglang_kimi_on_8_pcie_gpus(tmp_path):
     assert "--disable-cuda-graph" not in argv
     for key, value in NCCL.items():
         assert spec.env[key] == value
-    assert spec.env_overrides == NCCL
+    assert spec.env_overrides == {"NCCL_NVLS_ENABLE": "0", **NCCL}  # NVLS off unless the profile says
     assert spec.env["PATH"]  # the rest of the environment is inherited
     # wildcard host: probes go to loopback
     assert spec.base_url == "http://127.0.0.1:30000" and spec.health_url.endswith("/health")

@@ -187,7 +187,9 @@ def keep_secret_placeholders(arg: str) -> str:
 
 
 def _launch_env(cfg: LifecycleConfig) -> tuple[dict[str, str], dict[str, str]]:
-    overrides = dict(cfg.serve.env)
+    from drafter.launch_env import launch_overrides
+
+    overrides = launch_overrides(cfg.serve.env)
     return {**os.environ, **overrides}, overrides
 
 

@@ -26,6 +26,7 @@ from drafter.config import LifecycleConfig, fingerprint_fields, parse_config
 from drafter.formats import DUMP, TRAIN_CURVES, TRAIN_METRICS, TRAINED_DRAFTER_FILES
 from drafter.formats import TRAIN as STAGE
 from drafter.hashing import hash_file, short_hash
+from drafter.launch_env import launch_overrides
 from drafter.stage_output import Progress, StageOutput, StageResult
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore, open_store
@@ -35,8 +36,6 @@ from drafter.training.errors import TrainingError
 log = logging.getLogger(__name__)
 
 RESULT_FILE = "train-result.json"  # what rank 0 of a torchrun launch hands back to the stage
-# Multicast over NVLink (NVLS) is off on the GPU hosts we run on; every process we start inherits it.
-DEFAULT_LAUNCH_ENV = {"NCCL_NVLS_ENABLE": "0"}
 
 
 def _init_from_identity(path: str | None) -> str | None:
@@ -100,7 +99,7 @@ def _train_torchrun(cfg: LifecycleConfig, dump_fp: str, fp: str, work: Path, on_
 
     cfg_path = work / "config.json"
     cfg_path.write_text(cfg.model_dump_json())
-    env = {**DEFAULT_LAUNCH_ENV, **cfg.serve.env}
+    env = launch_overrides(cfg.serve.env)
     argv, full_env = torchrun_command(cfg.train.nproc_per_node, ["drafter.stages.train", str(cfg_path),
                                                                  dump_fp, fp, str(work)], env)
     log.info("train: %s", " ".join(argv))
