@@ -14,6 +14,13 @@ engine does not fit a device session) -> train -> export with judgement, re-judg
     python3 benchmarks/bench_drafter_quality.py --corpus sharegpt.jsonl --work /tmp/q --out $OUT
 
 `--small` runs the same chain at toy sizes on the CPU (to check the script before a GPU run).
+
+fp8 storage against bf16 (dump.storage_dtype), one command: the same prepared data dumped both
+ways, each trained with the same seed and budget and judged the same way; `comparison` in
+quality.json holds both offline accept lengths per draft step and their ratio:
+
+    python3 benchmarks/bench_drafter_quality.py --corpus sharegpt.jsonl --work /tmp/q --out $OUT \
+        --storage-dtypes model float8_e4m3
 """
 from __future__ import annotations
 
@@ -94,6 +101,8 @@ def main() -> None:
     ap.add_argument("--bench-prompts", type=int, default=16)
     ap.add_argument("--bench-max-tokens", type=int, default=128)
     ap.add_argument("--bench-repeats", type=int, default=3)
+    ap.add_argument("--storage-dtypes", nargs="+", default=["model"], choices=["model", "float8_e4m3"],
+                    help="dump.storage_dtype of each chain; two: the fp8-vs-bf16 comparison")
     args = ap.parse_args()
     args.bench_steps = [int(s) for s in args.bench_steps.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -114,16 +123,34 @@ def main() -> None:
     # The chain's corpus: the conversations the target did not train on come first.
     corpus = args.work / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(c) + "\n" for c in conversations))
-    cfg = parse_config(profile(args, target_dir, corpus))
-    store = open_store(cfg.storage)
+    base = parse_config(profile(args, target_dir, corpus))
+    store = open_store(base.storage)
+    for storage in args.storage_dtypes:
+        cfg = base.model_copy(update={"dump": base.dump.model_copy(update={"storage_dtype": storage})})
+        if len(args.storage_dtypes) == 1:
+            run_chain(args, cfg, store, results, emit)
+        else:
+            run_chain(args, cfg, store, results.setdefault("storage", {}).setdefault(storage, {}), emit)
+    if len(args.storage_dtypes) > 1:
+        results["comparison"] = compare(results["storage"], args.storage_dtypes)
+        print("comparison", results["comparison"], flush=True)
+    results["total_seconds"] = round(time.monotonic() - t0, 1)
+    emit()
+
+
+def run_chain(args, cfg, store, results: dict, emit) -> None:
+    """prepare -> dump -> train -> export judged at --steps (-> bench), figures into `results`."""
     fps = TABLE.fingerprints(cfg)
     for stage in ("prepare", "dump", "train"):
         t = time.monotonic()
         result = TABLE.run(stage, cfg, store, fingerprints=fps)
         results[stage] = {"seconds": round(time.monotonic() - t, 1), "summary": list(result.summary)}
+        if stage == "dump":
+            results["dump"].update({k: result.meta[k] for k in ("storage_dtype", "bytes_per_token", "num_tokens")})
         print(stage, results[stage], flush=True)
         emit()
     results["predicted"] = result.meta.get("final_eval")  # the train stage's held-out metrics
+    results["train"]["steps"] = result.meta.get("steps")
 
     results["judged"] = {}
     for steps in [int(s) for s in args.steps.split(",")]:
@@ -143,8 +170,19 @@ def main() -> None:
                             "table": bench.table, "meta": bench.meta}
         print("bench", results["bench"]["summary"], flush=True)
         emit()
-    results["total_seconds"] = round(time.monotonic() - t0, 1)
-    emit()
+
+
+def compare(runs: dict, storages: list[str]) -> dict:
+    """Offline accept length of each storage per draft step, and each one's ratio to the first's."""
+    ref = storages[0]
+    out = {"reference": ref, "bytes_per_token": {s: runs[s]["dump"]["bytes_per_token"] for s in storages},
+           "train_steps": {s: runs[s]["train"].get("steps") for s in storages}, "by_steps": {}}
+    for steps, judged in runs[ref]["judged"].items():
+        row = {s: runs[s]["judged"][steps]["accept_length"] for s in storages}
+        row["ratio"] = {s: round(row[s] / row[ref], 4) for s in storages[1:]}
+        row["within_2pct"] = {s: abs(row[s] / row[ref] - 1) <= 0.02 for s in storages[1:]}
+        out["by_steps"][steps] = row
+    return out
 
 
 if __name__ == "__main__":

@@ -1,22 +1,32 @@
-"""Throughput and bytes of the dump stage: the tiny test target, the demo target's shape, and an
-untrained Llama-3.2-1B shape (GPU).
+"""Throughput and bytes of the dump stage, end to end against the forward pass alone, in one run.
 
-    .venv/bin/python -m benchmarks.bench_dump --threads 1                     # CPU: tiny + demo
-    .venv/bin/python -m benchmarks.bench_dump --target-path .cache/demo-target   # an existing target
-    python3 -m benchmarks.bench_dump --targets demo llama-1b --devices auto \\
-        --conversations convs.json --max-length 2048 --tokens-per-batch 32768      # every visible GPU
+    .venv/bin/python -m benchmarks.bench_dump --threads 1 --out /tmp/dump-bench          # CPU: tiny + demo
+    python3 -m benchmarks.bench_dump --targets llama-1b llama-8b --devices cuda:0 \\
+        --conversations sharegpt.jsonl --samples 2048 --max-length 2048 --tokens-per-batch 32768 \\
+        --samples-per-shard 128 --storage-dtypes model float8_e4m3 --store-dir /dev/shm/dump-bench --out $OUT
 
-What it answers: end-to-end tokens/s of the dump stage (`drafter.stages.dump.run`) (tokenise + forward + shard write + verified
-upload to a file:// store, model loads included), the forward pass alone on the first device, and
-bytes per stored token against the payload formula (headers and offsets are the difference).
-Targets are built in a temp dir with a short training budget (llama-1b: random weights):
-throughput depends on the shape, not on how well the model is trained.
-Recorded results are at the bottom of this file.
+What it answers, per target shape and storage dtype (dump.storage_dtype), in the same process:
+- end to end: `drafter.stages.dump.run` (tokenise, forward, device-to-host, shard write, verified
+  upload to the store, commit), tokens/s over the whole call (model load included) and in the steady
+  state (from the first shard's verified marker to the last: the pipeline's rate, load excluded);
+- forward only: the same samples and batches through the capture forward on the first device, the
+  model already loaded (the ceiling the dump should reach);
+- bytes per stored token; the store's own raw write speed (write + fsync of 1 GiB) and one core's
+  sha256 speed, to tell a disk-bound run from a pipeline-bound one;
+- that every shard reads back verified (sha256), outside the timings.
+Targets: `tiny`/`demo` are built in a temp dir with a short training budget; `llama-1b` (Llama-3.2-1B
+layout) and `llama-8b` (Llama-3.1-8B layout) get random bf16 weights: throughput depends on the
+shape, not on how well the model is trained. `--s3-endpoint URL` dumps to an S3 server instead of
+`--store-dir` (bucket `--s3-bucket`, created if missing). Results: `$OUT/bench_dump.json`, and the
+rows printed.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -26,10 +36,10 @@ import torch
 from drafter import capture
 from drafter.config import DemoTargetConfig, TargetConfig, parse_config
 from drafter.demo_target import build_demo_target, build_tokenizer
-from drafter.stages import dump
 from drafter.shards import project_corpus
 from drafter.stage_output import StageOutput, to_jsonl
-from drafter.store import FileStore
+from drafter.stages import dump
+from drafter.store import FileStore, ObjectStore, S3Store
 from drafter.tokenize import tokenize_conversation
 
 SHAPES = {
@@ -39,30 +49,41 @@ SHAPES = {
     # the demo profile's target (DemoTargetConfig defaults)
     "demo": {},
 }
-LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                intermediate_size=8192, max_position_embeddings=8192, rope_theta=500000.0)
+LLAMA = {
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=8192, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=14336, max_position_embeddings=8192, rope_theta=500000.0),
+}
+GiB = 1 << 30
 
 
 def build_target(shape: str, out: Path, conversations: list[dict]) -> Path:
-    if shape == "llama-1b":
-        return build_random_llama(out, conversations)
+    if shape in LLAMA:
+        return build_random_llama(out, conversations, LLAMA[shape])
     cfg = DemoTargetConfig(**SHAPES[shape], max_steps=5, train_seconds=60, train_conversations=400,
                            eval_conversations=10, batch_size=2, threads=torch.get_num_threads())
     build_demo_target(cfg, out, conversations=conversations[:410])
     return out
 
 
-def build_random_llama(out: Path, conversations: list[dict]) -> Path:
-    """Llama-3.2-1B layout with random bf16 weights and a 4096-token BPE (small embeddings)."""
+def build_random_llama(out: Path, conversations: list[dict], shape: dict) -> Path:
+    """A Llama layout with random bf16 weights and a 4096-token BPE (small embeddings)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = build_tokenizer((m["content"] for c in conversations[:1000] for m in c["messages"]), 4096)
     cfg = LlamaConfig(vocab_size=len(tok), tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **LLAMA_1B)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **shape)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # never materialise an fp32 copy of 8B weights
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    del model
     return out
 
 
@@ -71,25 +92,92 @@ def aux_ids(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4] if num_layers >= 8 else [0, 1, num_layers - 2]
 
 
-def bench_target(path: Path, conversations: list[dict], args) -> list[tuple[str, str]]:
+class MarkerClock:
+    """Wraps a store: records when each shard's verified marker lands and the shard's tokens."""
+
+    def __init__(self, store: ObjectStore):
+        self.store, self.marks = store, []
+        real = store.put_bytes
+
+        def put_bytes(key: str, data: bytes) -> None:
+            real(key, data)
+            if "/_parts/" in key:
+                self.marks.append((time.perf_counter(), int(json.loads(data)["meta"].get("tokens", 0))))
+
+        store.put_bytes = put_bytes
+
+    def steady_tokens_per_s(self) -> float | None:
+        if len(self.marks) < 2:
+            return None
+        (t0, _), (t1, _) = self.marks[0], self.marks[-1]
+        return sum(n for _, n in self.marks[1:]) / max(t1 - t0, 1e-9)
+
+
+def open_bench_store(args, tag: str) -> tuple[ObjectStore, callable]:
+    """A fresh store for one run and the function that removes it."""
+    if args.s3_endpoint:
+        import boto3
+
+        client = boto3.session.Session().client("s3", endpoint_url=args.s3_endpoint, region_name="us-east-1")
+        try:
+            client.create_bucket(Bucket=args.s3_bucket)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        store = S3Store(args.s3_bucket, f"bench-dump-{tag}-{os.getpid()}", endpoint_url=args.s3_endpoint,
+                        region="us-east-1", multipart_threshold_mb=64, multipart_chunk_mb=64)
+        return store, lambda: store.delete_prefix("")
+    root = Path(tempfile.mkdtemp(prefix=f"bench-dump-{tag}-", dir=args.store_dir))
+    return FileStore(root), lambda: shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_run(path: Path, conversations: list[dict], args, storage: str) -> dict:
     num_layers = TargetConfig(path=str(path)).resolved_shape()["num_hidden_layers"]
     cfg = parse_config({
         "target": {"path": str(path)}, "train": {"draft_vocab_size": 2},
         "dump": {"upstream": "prepare", "aux_layer_ids": aux_ids(num_layers), "max_length": args.max_length,
                  "tokens_per_batch": args.tokens_per_batch, "samples_per_shard": args.samples_per_shard,
-                 "devices": args.devices}})
+                 "devices": args.devices, "storage_dtype": storage, "upload_threads": args.upload_threads,
+                 "upload_queue": args.upload_queue}})
     samples = conversations[:args.samples]
-    with tempfile.TemporaryDirectory() as tmp:
-        store = FileStore(tmp)
+    store, remove = open_bench_store(args, storage)
+    try:
         up = StageOutput(store, "prepare", "bench000")
         up.write_shard("train.jsonl", to_jsonl(samples))
         up.write_shard("eval.jsonl", to_jsonl([]))
         up.commit({})
+        clock = MarkerClock(store)
         t = time.perf_counter()
-        meta = dump.run(cfg, store, upstream={"prepare": "bench000"}).manifest.meta
+        result = dump.run(cfg, store, upstream={"prepare": "bench000"})
         total = time.perf_counter() - t
+        meta = result.manifest.meta
+        t = time.perf_counter()
+        out = StageOutput(store, "dump", result.fingerprint)
+        with tempfile.TemporaryDirectory(dir=args.store_dir) as dl:
+            for s in result.manifest.shards:  # every shard reads back with its recorded sha256
+                out.download_shard(s.name, Path(dl) / "x").unlink()
+        verify_s = time.perf_counter() - t
+    finally:
+        remove()
+    forward = forward_only(path, cfg, samples, args)
+    steady = clock.steady_tokens_per_s()
+    return {
+        "storage_dtype": meta["storage_dtype"], "dtype": meta["dtype"], "hidden_size": meta["hidden_size"],
+        "layers": meta["num_hidden_layers"], "devices": args.devices, "samples": meta["num_samples"],
+        "tokens": meta["num_tokens"], "shards": meta["num_shards"],
+        "end_to_end_tokens_per_s": round(meta["num_tokens"] / total, 1), "end_to_end_s": round(total, 2),
+        "steady_tokens_per_s": round(steady, 1) if steady else None,
+        **forward,
+        "steady_vs_forward": round(steady / forward["forward_tokens_per_s"], 4) if steady else None,
+        "end_to_end_vs_forward": round(meta["num_tokens"] / total / forward["forward_tokens_per_s"], 4),
+        "bytes_per_token": meta["bytes_per_token"], "payload_bytes_per_token": meta["payload_bytes_per_token"],
+        "store_gb_per_s_steady": round(steady * meta["bytes_per_token"] / 1e9, 3) if steady else None,
+        "all_shards_verified_on_read": True, "verify_read_s": round(verify_s, 2),
+        "projection": meta["storage_projection"],
+    }
 
-    # The parts, with the model already loaded, on the first device.
+
+def forward_only(path: Path, cfg, samples: list[dict], args) -> dict:
+    """The capture forward over the same samples and batches on the first device, model loaded."""
     plan = dump.plan_dump(cfg, {"prepare": "bench000"})
     t = time.perf_counter()
     seqs = [tokenize_conversation(plan.tokenizer, c["messages"], args.max_length)[0] for c in samples]
@@ -106,17 +194,11 @@ def bench_target(path: Path, conversations: list[dict], args) -> list[tuple[str,
         capture.capture_batch(cm, [shard[j] for j in batch])
     _sync(cm.device)
     t_fwd = time.perf_counter() - t
-    devices = ", ".join(str(d) for d in plan.devices)
-    return [
-        ("shape", f"hidden {meta['hidden_size']}, {meta['num_hidden_layers']} layers, {meta['dtype']}"),
-        ("samples / tokens / loss tokens", f"{meta['num_samples']} / {meta['num_tokens']} / {meta['num_loss_tokens']}"),
-        (f"run_dump end to end [{devices}]",
-         f"{meta['num_tokens'] / total:10.0f} tokens/s  ({total:.1f} s, incl. model load)"),
-        ("  tokenise only (1 thread)", f"{tokens / t_tok:10.0f} tokens/s"),
-        (f"  capture forward only [{cm.device}]", f"{tokens / t_fwd:10.0f} tokens/s"),
-        ("bytes/token measured", f"{meta['bytes_per_token']:10.1f}  (payload {meta['payload_bytes_per_token']})"),
-        ("this corpus", meta["storage_projection"]),
-    ]
+    del cm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"forward_tokens_per_s": round(tokens / t_fwd, 1), "forward_device": str(plan.devices[0]),
+            "tokenise_tokens_per_s_1_thread": round(tokens / t_tok, 1)}
 
 
 def _sync(device: torch.device) -> None:
@@ -124,69 +206,96 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def machine_baseline(store_dir: str | None) -> dict:
+    """The store directory's raw sequential write + fsync speed and one core's sha256 speed."""
+    block = os.urandom(64 << 20)
+    with tempfile.NamedTemporaryFile(dir=store_dir) as f:
+        t = time.perf_counter()
+        for _ in range(GiB // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+        write = GiB / (time.perf_counter() - t) / 1e9
+    h = hashlib.sha256()
+    t = time.perf_counter()
+    for _ in range(8):
+        h.update(block)
+    sha = 8 * len(block) / (time.perf_counter() - t) / 1e9
+    return {"store_dir": store_dir or tempfile.gettempdir(), "write_fsync_gb_per_s": round(write, 3),
+            "sha256_gb_per_s_one_core": round(sha, 3), "cpu_count": os.cpu_count()}
+
+
+def load_conversations(path: Path | None, n: int) -> list[dict]:
+    if path is None:
+        from drafter.data import load_sharegpt
+
+        return load_sharegpt(max(n, 1000) + 10)
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return json.loads(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--targets", nargs="*", default=["tiny", "demo"], choices=[*SHAPES, "llama-1b"])
+    parser.add_argument("--targets", nargs="*", default=["tiny", "demo"], choices=[*SHAPES, *LLAMA])
     parser.add_argument("--target-path", type=Path, help="benchmark this existing target instead")
-    parser.add_argument("--conversations", type=Path, help="JSON list of {id, messages} (default: ShareGPT)")
+    parser.add_argument("--conversations", type=Path, help="JSON list or JSONL of {id, messages} (default: ShareGPT)")
     parser.add_argument("--devices", nargs="*", default=["cpu"])
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--samples-per-shard", type=int, default=64)
+    parser.add_argument("--storage-dtypes", nargs="+", default=["model", "float8_e4m3"],
+                        choices=["model", "float8_e4m3"])
+    parser.add_argument("--upload-threads", type=int, default=2)
+    parser.add_argument("--upload-queue", type=int, default=1)
+    parser.add_argument("--store-dir", help="directory of the file:// store (default: system temp dir)")
+    parser.add_argument("--s3-endpoint", help="dump to this S3 server instead (e.g. a local MinIO or moto)")
+    parser.add_argument("--s3-bucket", default="bench-dump")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--out", type=Path, required=True, help="directory for bench_dump.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.conversations:
-        conversations = json.loads(args.conversations.read_text())
-    else:
-        from drafter.data import load_sharegpt
-
-        conversations = load_sharegpt(max(args.samples, 1000) + 10)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, devices {args.devices}, "
-          f"{args.samples} conversations, max_length {args.max_length}, tokens_per_batch {args.tokens_per_batch}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    conversations = load_conversations(args.conversations, args.samples)
+    results = {"torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+               "cpu_threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()},
+               "machine": machine_baseline(args.store_dir), "runs": []}
+    emit = lambda: (args.out / "bench_dump.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results["machine"]), flush=True)
+    emit()
     with tempfile.TemporaryDirectory() as tmp:
         for name in ["given"] if args.target_path else args.targets:
             t = time.perf_counter()
             path = args.target_path or build_target(name, Path(tmp) / name, conversations)
-            print(f"\n## {name}: {path} (ready in {time.perf_counter() - t:.0f} s)", flush=True)
-            for key, value in bench_target(path, conversations, args):
-                print(f"  {key:40s} {value}", flush=True)
-    print("\n## projections (bf16, 3 aux + final)")
-    for label, tokens, hidden in (("seed run, Kimi-K2.5", 87_800_000, 7168),
-                                  ("Llama-3.1-8B, same corpus", 87_800_000, 4096),
-                                  ("1.4M samples x 2353 tokens, hidden 7168", 1_400_000 * 2353, 7168)):
-        print(f"  {label:40s} {project_corpus(tokens, hidden)}")
+            built_s = round(time.perf_counter() - t, 1)
+            for storage in args.storage_dtypes:
+                row = {"target": name, "target_ready_s": built_s, **bench_run(path, conversations, args, storage)}
+                results["runs"].append(row)
+                print(json.dumps(row), flush=True)
+                emit()
+            if not args.target_path:
+                shutil.rmtree(path, ignore_errors=True)
+    results["projections"] = {label: project_corpus(tokens, hidden, storage_dtype=storage)
+                              for label, tokens, hidden in (("seed run, Kimi-K2.5", 87_800_000, 7168),
+                                                            ("Llama-3.1-8B, same corpus", 87_800_000, 4096))
+                              for storage in ("model", "float8_e4m3") for label in [f"{label} ({storage})"]}
+    emit()
 
 
 if __name__ == "__main__":
     main()
 
-# Recorded results
+# Recorded results (before the pipelined data plane; see benchmarks/RESULTS.md for the current ones)
 # ----------------
 # CPU, this dev box (2 cores shared with other jobs, load average 1-2), torch 2.13 CPU, 256 ShareGPT
 # conversations, max_length 512, tokens_per_batch 4096, samples_per_shard 64, file:// store:
-#   .venv/bin/python -m benchmarks.bench_dump --threads 1
-#   tiny (hidden 64, 4 layers, fp32):  run_dump 24.9k tok/s end to end (3.7 s incl. model load);
-#                                      forward alone 53.9k tok/s; tokenise 105k tok/s; 1033.1 B/token
-#   demo (hidden 256, 6 layers, fp32): run_dump 4.7k tok/s end to end; forward alone 5.7k tok/s;
-#                                      tokenise 89k tok/s; 4105.1 B/token (payload 4105)
-#   With 2 torch threads on the same busy box the forward ran 13x SLOWER (2.7k vs 35k tok/s for
-#   tiny): OpenMP pools spinning against other processes. Use --threads 1 on shared machines.
-#
-# GPU, 2 x H200 (device machine), torch 2.11 + cu130, transformers 5.17, bf16 (dtype auto), 256
-# conversations, max_length 2048, tokens_per_batch 32768, samples_per_shard 32, file:// store on the
-# machine's local disk:
-#   python3 -m benchmarks.bench_dump --targets demo llama-1b --devices auto --conversations convs.json \
-#       --samples 256 --max-length 2048 --tokens-per-batch 32768 --samples-per-shard 32
-#   demo (hidden 256):      103k tok/s end to end on 2 GPUs; forward alone 563k tok/s on one GPU
+#   tiny (hidden 64, 4 layers, fp32):  24.9k tok/s end to end; forward alone 53.9k tok/s; 1033.1 B/token
+#   demo (hidden 256, 6 layers, fp32): 4.7k tok/s end to end; forward alone 5.7k tok/s; 4105.1 B/token
+# GPU, 2 x H200, torch 2.11 + cu130, bf16, 256 conversations, max_length 2048, tokens_per_batch 32768,
+# samples_per_shard 32, file:// store on local disk:
 #   llama-1b (hidden 2048): 37.8k tok/s end to end on 2 GPUs, 29.7k on 1 GPU; forward alone
-#                           144-149k tok/s on one GPU; 16393.0 B/token (payload 16393)
-#   The GPU is not the bottleneck: a verified upload (hash, put, read-back hash = 2 reads + 1 write
-#   of every byte) runs at ~450-700 MB/s there. upload_threads 1 -> 2 took llama-1b on one GPU from
-#   19.4k to 29.7k tok/s; 4 threads gained nothing more (disk-bound: 1.27 GB/s write, 0.76 GB/s
-#   read+sha256 measured on that machine).
-#   Also checked there (one-off script): 'auto' -> one worker per GPU; shards byte-identical between
-#   1 GPU, the other GPU, both GPUs, and a crash + resume on both (8/8 each); stored bf16 states equal
-#   an unpadded HF bf16 forward; vs fp32 max relative error 0.9%.
+#                           144-149k tok/s on one GPU; 16393.0 B/token. Bound by the verified upload
+#                           (hash, put, read-back hash: ~450-700 MB/s there; disk 1.27 GB/s write).

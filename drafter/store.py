@@ -140,8 +140,10 @@ class ObjectStore(ABC):
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
 
-    # Parallel range reads a reader may issue against one object (S3: the transfer concurrency).
+    # Parallel range reads a reader may issue against one object, and their size (S3: the transfer
+    # concurrency and the multipart part size).
     read_concurrency = 1
+    read_range_bytes = 8 * MiB
 
     def put_stream(self, key: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
         """Write the concatenated `chunks` under `key`; return (size, sha256 hex) of the committed
@@ -444,6 +446,7 @@ class S3Store(ObjectStore):
             multipart_threshold=multipart_threshold_mb * MiB, multipart_chunksize=multipart_chunk_mb * MiB,
             max_concurrency=max_concurrency, use_threads=True)
         self.read_concurrency = max_concurrency
+        self.read_range_bytes = multipart_chunk_mb * MiB
         self._warned_no_checksum = False
 
     def __repr__(self) -> str:

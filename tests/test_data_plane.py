@@ -102,7 +102,7 @@ def test_training_reader_streams_verifies_and_reports_data_wait(any_store, tmp_p
     from tests.test_training_support import H, make_dump
 
     fp = make_dump(any_store, tmp_path, shards=3, per_shard=8)
-    monkeypatch.setattr(data, "RANGE_BYTES", 4096)
+    monkeypatch.setattr(any_store, "read_range_bytes", 4096)
     ranges = []
     real_range = any_store.get_range
     monkeypatch.setattr(any_store, "get_range", lambda key, a, b: ranges.append((a, b)) or real_range(key, a, b))

@@ -48,7 +48,6 @@ from drafter.training.errors import DumpIncompatible
 from drafter.training.ttt import MicroBatch
 
 DUMP_STAGE = "dump"
-RANGE_BYTES = 8 << 20  # one range read of a remote shard
 log = logging.getLogger(__name__)
 
 
@@ -134,10 +133,11 @@ class ReadStats:
                 "data_wait_share": round(share, 4)}
 
 
-def fetch_verified(out: StageOutput, name: str, dest: Path, threads: int = 8) -> Path:
+def fetch_verified(out: StageOutput, name: str, dest: Path) -> Path:
     """A committed shard as a local file, its size and sha256 checked: a local store's own file
-    (read once to hash it), else `dest`, downloaded with `threads` parallel range reads and hashed
-    in order as the ranges arrive (no second pass). Raises CorruptObject naming the object."""
+    (read once to hash it), else `dest`, downloaded by parallel range reads (the store's
+    read_concurrency x read_range_bytes) and hashed in order as the ranges arrive (no second
+    pass). Raises CorruptObject naming the object."""
     info = out.manifest.shard(name)
     key = out.key(name)
     local = out.store.local_path(key)
@@ -154,6 +154,7 @@ def fetch_verified(out: StageOutput, name: str, dest: Path, threads: int = 8) ->
     if actual != info.size:
         _check(out, key, info, actual, "")
     h, got = hashlib.sha256(), 0
+    threads, span = max(1, out.store.read_concurrency), max(1, out.store.read_range_bytes)
     tmp = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
@@ -161,15 +162,15 @@ def fetch_verified(out: StageOutput, name: str, dest: Path, threads: int = 8) ->
             fd = f.fileno()
 
             def get(start: int) -> bytes:
-                data = out.store.get_range(key, start, min(start + RANGE_BYTES, info.size))
+                data = out.store.get_range(key, start, min(start + span, info.size))
                 os.pwrite(fd, data, start)
                 return data
 
-            with ThreadPoolExecutor(max(1, threads), thread_name_prefix="dump-range") as pool:
+            with ThreadPoolExecutor(threads, thread_name_prefix="dump-range") as pool:
                 window: deque[Future] = deque()
-                for start in range(0, info.size, RANGE_BYTES):
+                for start in range(0, info.size, span):
                     window.append(pool.submit(get, start))
-                    while len(window) > 2 * threads:  # bounded memory: ranges waiting to be hashed
+                    while len(window) > threads:  # bounded memory: threads + 1 ranges at most
                         got += _hash_next(h, window)
                 while window:
                     got += _hash_next(h, window)
@@ -212,7 +213,7 @@ class ShardCache:
 
     def _download(self, name: str) -> Path:
         t = time.perf_counter()
-        path = fetch_verified(self.out, name, self.dir / name, self.out.store.read_concurrency)
+        path = fetch_verified(self.out, name, self.dir / name)
         self.stats.add_fetch(self.out.manifest.shard(name).size, time.perf_counter() - t)
         return path
 
