@@ -239,6 +239,9 @@ class DumpConfig(Strict):
     tp_size: int = OperationalField(1, ge=1, description="backend vllm: tensor-parallel GPUs per copy of the target")
     vllm_args: dict[str, Any] = OperationalField(
         default_factory=dict, description="backend vllm: extra vllm.LLM arguments (e.g. gpu_memory_utilization)")
+    tokenize_processes: int = OperationalField(
+        0, ge=0, description="tokenizer processes per device (0: one tokenizer thread); raise it when "
+                             "tokenising is slower than the forward pass (bench_dump reports both)")
 
 
 class TrainConfig(Strict):

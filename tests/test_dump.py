@@ -329,10 +329,10 @@ def test_resume_with_two_cpu_workers(any_store, tmp_path, tiny_target, convs, mo
     fp = put_prepared(any_store, convs[:10])
     real_build = dump.tokenize_shard
 
-    def crash_at_shard_3(tokenizer, plan, index, records, split):
+    def crash_at_shard_3(tokenizer, max_length, index, records, split):
         if index == 3:
             raise RuntimeError("simulated crash")
-        return real_build(tokenizer, plan, index, records, split)
+        return real_build(tokenizer, max_length, index, records, split)
 
     monkeypatch.setattr(dump, "tokenize_shard", crash_at_shard_3)
     with pytest.raises(RuntimeError, match="simulated crash"):

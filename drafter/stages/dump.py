@@ -14,7 +14,7 @@ model, see capture.warm_up_device).
 
 Fingerprint: what determines the bytes' meaning (upstream, target, tokenizer, chat template, aux
 ids + convention, resolved dtype, max_length, samples_per_shard, format version). Left out on
-purpose: devices, tokens_per_batch, spool_dir, upload_queue, upload_threads. tokens_per_batch and
+purpose: devices, tokens_per_batch, spool_dir, upload_queue, upload_threads, tokenize_processes. tokens_per_batch and
 the GPU model can change the last bits of the floats (batch shapes pick kernels), never what they
 mean, and re-dumping terabytes because a resume runs on other GPUs would be the wrong trade. Each
 shard's marker records the device and tokens_per_batch that computed it. (The fields declare this
@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
 import threading
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,11 +168,10 @@ class TokenizedShard:
     truncated: int
 
 
-def tokenize_shard(tokenizer, plan: DumpPlan, index: int, records: list[dict],
+def tokenize_shard(tokenizer, max_length: int, index: int, records: list[dict],
                    split: str = "train") -> TokenizedShard:
-    """Tokenise one shard's records; bad records, template errors and answerless samples are
-    quarantined."""
-    dump = plan.cfg.dump
+    """Tokenise one shard's records (cut to `max_length`); bad records, template errors and
+    answerless samples are quarantined."""
     samples, quarantined, truncated = [], [], 0
     eot_ids = end_of_turn_ids(tokenizer)  # once per shard, not per sample
     for pos, rec in enumerate(records):
@@ -182,8 +183,8 @@ def tokenize_shard(tokenizer, plan: DumpPlan, index: int, records: list[dict],
                 log.warning("sample %s: chat template failed: %s", rec.get("id"), e)
                 reason = "template_error"
         if reason is None:
-            truncated += len(ids) > dump.max_length
-            ids, mask = ids[:dump.max_length], mask[:dump.max_length]
+            truncated += len(ids) > max_length
+            ids, mask = ids[:max_length], mask[:max_length]
             reason = None if any(mask) else "no_loss_tokens"
         if reason is not None:
             rid = rec.get("id") if isinstance(rec, dict) else None
@@ -192,6 +193,41 @@ def tokenize_shard(tokenizer, plan: DumpPlan, index: int, records: list[dict],
             continue
         samples.append((str(rec["id"]), ids, mask))
     return TokenizedShard(index, split, samples, quarantined, truncated)
+
+
+_PROCESS_TOKENIZER = None  # a tokenizer process's own copy
+
+
+def _load_process_tokenizer(path: str, trust_remote_code: bool) -> None:
+    global _PROCESS_TOKENIZER
+    from transformers import AutoTokenizer
+
+    _PROCESS_TOKENIZER = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def _tokenize_in_process(max_length: int, index: int, records: list[dict], split: str) -> TokenizedShard:
+    return tokenize_shard(_PROCESS_TOKENIZER, max_length, index, records, split)
+
+
+def _tokenized_shards(plan: DumpPlan, tokenizer, jobs: list[tuple[str, int]],
+                      records: dict[tuple[str, int], list[dict]]) -> Iterator[TokenizedShard]:
+    """The jobs' shards tokenised in order: here (the caller's thread), or by
+    dump.tokenize_processes processes, each a shard at a time, a few shards ahead."""
+    dump = plan.cfg.dump
+    if not dump.tokenize_processes:
+        for split, i in jobs:
+            yield tokenize_shard(tokenizer, dump.max_length, i, records.pop((split, i)), split)
+        return
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA state
+    with ProcessPoolExecutor(dump.tokenize_processes, mp_context=ctx, initializer=_load_process_tokenizer,
+                             initargs=(plan.cfg.target.path, plan.cfg.target.trust_remote_code)) as pool:
+        ahead: deque = deque()
+        for split, i in jobs:
+            ahead.append(pool.submit(_tokenize_in_process, dump.max_length, i, records.pop((split, i)), split))
+            if len(ahead) > dump.tokenize_processes:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
 
 
 class ShardBuild:
@@ -264,9 +300,8 @@ def _capture_shards(plan: DumpPlan, cm, device: torch.device, jobs: list[tuple[s
     to_host = dump_pipeline.DeviceToHost(cm.device, dump.storage_dtype)
     uploader = dump_pipeline.ShardUploader(out, on_done, dump.upload_queue, dump.upload_threads)
     # The tokenizer thread owns cm.tokenizer (HF fast tokenizers are not thread-safe).
-    tokenized = prefetch.Prefetch(
-        (tokenize_shard(cm.tokenizer, plan, i, records.pop((split, i)), split) for split, i in jobs),
-        depth=1, name=f"dump-tokenize-{device}")
+    tokenized = prefetch.Prefetch(_tokenized_shards(plan, cm.tokenizer, jobs, records),
+                                  depth=1, name=f"dump-tokenize-{device}")
     in_flight: list[tuple[ShardBuild, list[int], dump_pipeline.HostBatch]] = []
 
     def settle(keep: int) -> None:
