@@ -39,6 +39,10 @@ class Prefetch:
             self._put((self._END, None))
         except BaseException as e:
             self._put((None, e))
+        finally:
+            close = getattr(self._items, "close", None)
+            if close is not None:  # a generator left early releases what it holds (pools, files)
+                close()
 
     def _put(self, entry) -> bool:
         while not self._stop.is_set():
