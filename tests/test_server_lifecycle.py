@@ -138,3 +138,17 @@ def test_foreground_serve_exits_143_after_sigterm_and_files_are_owner_only(tmp_p
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     assert wait_gone(info)
+
+
+def test_a_port_held_by_our_live_server_names_its_pid_file_and_reap(tmp_path):
+    spec = fake_spec(tmp_path)
+    with launch(spec, SGLANG, tmp_path / "server.log") as server:
+        gate(server, spec)
+        again = fake_spec(tmp_path)
+        again.port = spec.port
+        with pytest.raises(ServerConfigError) as info:
+            preflight(again, check_gpus=False)
+    message = str(info.value)
+    assert f"port {spec.port} on 127.0.0.1 is already in use by our sglang server pid {server.pid}" in message
+    assert f"launched by pid {os.getpid()} (running)" in message
+    assert f"python -m drafter.serving.launcher reap {server.pid_path}" in message
