@@ -149,8 +149,8 @@ def test_training_reader_streams_verifies_and_reports_data_wait(any_store, tmp_p
 
 
 def test_tokenizer_processes_give_the_same_shards(tmp_path, tiny_target, convs):  # noqa: F811
-    """dump.tokenize_processes moves tokenising into processes (a shard each, in order): the
-    shards are byte-identical to the tokenizer thread's."""
+    """dump.tokenize_processes moves tokenising into processes (a shard each, in order) and
+    dump.spool_dir spools shards to disk instead of memory: the shards are byte-identical."""
     from drafter.store import FileStore
     from tests.test_dump import shard_bytes
 
@@ -158,6 +158,7 @@ def test_tokenizer_processes_give_the_same_shards(tmp_path, tiny_target, convs):
     for n in (0, 1):
         store = FileStore(tmp_path / f"p{n}")
         fp = put_prepared(store, convs[:10])
-        result = run_dump(make_cfg(tiny_target, tokenize_processes=n), store, "prepare", fp)
+        spool = {"spool_dir": str(tmp_path / "spool")} if n else {}
+        result = run_dump(make_cfg(tiny_target, tokenize_processes=n, **spool), store, "prepare", fp)
         got[n] = shard_bytes(store, result.manifest)
     assert got[0] == got[1] and len(got[0]) == 3
