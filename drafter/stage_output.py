@@ -7,6 +7,10 @@ Layout under the store root: `<stage>/<fingerprint>/`
     _SUCCESS.json             the manifest, written LAST: the stage is complete iff it exists, parses,
                               and every shard it lists exists with the listed size
 
+A shard may be a reference (`ShardInfo.source`): bytes another output committed, listed here by
+their key instead of copied (an incremental dump reuses terabytes that way, see drafter.reuse).
+Completeness checks and reads follow the reference and verify the bytes against this manifest.
+
 The fingerprint hashes everything that determines the output (stage config, upstream fingerprints,
 format version), so a changed input lands in a new prefix and an old output is never reused by
 mistake. Every read is checked against the recorded sha256: corruption raises CorruptObject, it is
@@ -114,6 +118,8 @@ class ShardInfo(BaseModel):
     size: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     meta: dict = Field(default_factory=dict)
+    # The store key of the bytes when they belong to another output (a reference); None: ours.
+    source: str | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class Manifest(BaseModel):
@@ -260,7 +266,15 @@ class StageOutput:
         except (ObjectNotFound, ManifestError):
             return False
         sizes = self.store.list_sizes(self.prefix + "/")
-        return all(sizes.get(self.key(s.name)) == s.size for s in manifest.shards)
+        return all(self._size_of(s, sizes) == s.size for s in manifest.shards)
+
+    def data_key(self, info: ShardInfo) -> str:
+        """Where a shard's bytes are: ours, or the other output's key for a reference."""
+        return info.source or self.key(info.name)
+
+    def _size_of(self, info: ShardInfo, own_sizes: dict[str, int]) -> int | None:
+        """The stored size of a shard's bytes (a reference's is looked up where it points)."""
+        return own_sizes.get(self.key(info.name)) if info.source is None else self.store.size(info.source)
 
     def completed_shards(self) -> dict[str, ShardInfo]:
         """Shards written and verified so far, by name (sorted). A marker only counts while its
@@ -274,7 +288,7 @@ class StageOutput:
             infos = list(pool.map(self._read_marker, markers))
         done: dict[str, ShardInfo] = {}
         for marker, info in zip(markers, infos):
-            if info and self._marker_key(info.name) == marker and sizes.get(self.key(info.name)) == info.size:
+            if info and self._marker_key(info.name) == marker and self._size_of(info, sizes) == info.size:
                 done[info.name] = info
         return dict(sorted(done.items()))
 
@@ -312,6 +326,22 @@ class StageOutput:
         size, sha = self.store.put_stream(key, chunks)
         self._verified.add((name, sha))  # checked against what the store committed
         info = ShardInfo(name=name, size=size, sha256=sha, meta=meta or {})
+        self.store.put_bytes(self._marker_key(name), info.model_dump_json().encode())
+        return info
+
+    def link_shard(self, name: str, source: "StageOutput", source_name: str, meta: dict | None = None) -> ShardInfo:
+        """List a shard `source` committed (verified there when it was written) under `name`, by
+        reference: no byte is copied. Its size is checked now; its sha256 on every read, as ours."""
+        self._check_name(name)
+        self._uncommit_for_repair()
+        want = source.manifest.shard(source_name)
+        key = source.data_key(want)
+        if self.store.size(key) != want.size:
+            raise CorruptObject(key, f"referenced shard has {self.store.size(key)} bytes, its manifest says "
+                                     f"{want.size}", self.store.uri(key))
+        self.store.delete(self.key(name))  # bytes of an earlier attempt must not shadow the reference
+        info = ShardInfo(name=name, size=want.size, sha256=want.sha256,
+                         meta=want.meta if meta is None else meta, source=key)
         self.store.put_bytes(self._marker_key(name), info.model_dump_json().encode())
         return info
 
@@ -451,7 +481,7 @@ class StageOutput:
     def read_shard(self, name: str) -> bytes:
         """The verified bytes of a shard (small shards; use download_shard for big ones)."""
         want = self._expected(name)
-        key = self.key(name)
+        key = self.data_key(want)
         data = self.store.get_bytes(key)
         self._verify(key, want, len(data), sha256_hex(data))
         return data
@@ -464,7 +494,7 @@ class StageOutput:
         """Download to `path` (or into it, if it is a directory), streaming and verifying. A file
         that fails verification is removed, never left under `path`."""
         want = self._expected(name)
-        key = self.key(name)
+        key = self.data_key(want)
         path = Path(path)
         if path.is_dir():
             path = path / PurePath(name).name

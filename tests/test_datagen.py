@@ -228,7 +228,7 @@ def test_multi_turn_resends_new_answers_and_rerun_contacts_no_server(tmp_path, a
     assert r0["messages"][-1] == {"role": "assistant", "content": "[3] re: question 0.2"}
     assert r0["usage"] == {"prompt_tokens": 2 + 4 + 6, "completion_tokens": 12}
     assert r0["gen"] == {"model": "fake-model", "temperature": 0.5, "max_tokens": 16, "server": fake.url}
-    assert [s.name for s in result.manifest.shards] == ["gen-00000.jsonl", "gen-00001.jsonl"]
+    assert [s.name for s in result.manifest.shards] == ["conversation-keys.jsonl", "gen-00000.jsonl", "gen-00001.jsonl"]
     meta = result.manifest.meta
     assert (meta["conversations"], meta["generated"], meta["errors"], meta["turns"]) == (3, 3, 0, 6)
     assert meta["completion_tokens"] == sum(r["usage"]["completion_tokens"] for r in records)
@@ -407,7 +407,7 @@ def test_stale_error_shard_of_an_unfinished_shard_is_not_committed(tmp_path, fak
     # A killed run wrote errors-00000 but died before gen-00000; this time the server is healthy.
     datagen_output(cfg, store, fp).write_shard("errors-00000.jsonl", b'{"id": "c000", "reason": "timeout"}\n')
     result = run_datagen(cfg, store, fp, [fake.url])
-    assert [s.name for s in result.manifest.shards] == ["gen-00000.jsonl", "gen-00001.jsonl"]
+    assert [s.name for s in result.manifest.shards] == ["conversation-keys.jsonl", "gen-00000.jsonl", "gen-00001.jsonl"]
     assert result.manifest.meta["errors"] == 0
 
 
@@ -437,7 +437,7 @@ def test_eval_split_is_regenerated_into_its_own_shards(tmp_path, fakes):
     held_out = [r["id"] for r in iter_generations(store, result.manifest, split="eval")]
     assert held_out and not set(train) & set(held_out) and len(train) + len(held_out) == 10
     assert meta["conversations"] == len(train) and meta["eval"]["generated"] == len(held_out)
-    assert all(s.name.startswith(("gen-", "eval-gen-")) for s in result.manifest.shards)
+    assert all(s.name.startswith(("gen-", "eval-gen-", "conversation-keys")) for s in result.manifest.shards)
     assert meta["eval_shards"] == sum(s.name.startswith("eval-gen-") for s in result.manifest.shards) >= 1
     assert all(r["messages"][-1]["content"].startswith("[") for r in iter_generations(store, fp_of(result), split="eval"))
 

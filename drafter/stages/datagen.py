@@ -8,9 +8,16 @@ Output (`datagen/<fingerprint>/`):
 - `errors-00000.jsonl`, ...: `{"id", "reason", "attempts", "server", "turn", "detail"}` for the
   conversations of that shard that could not be generated (only written when there are some).
 
-Shard i always holds conversations [i*shard_size, (i+1)*shard_size) of the prepared split, so a
-killed run resumes at the shards without a verified `gen-i` and never duplicates or drops a sample.
+Without earlier outputs to reuse, shard i holds conversations [i*shard_size, (i+1)*shard_size) of
+the prepared split; each shard's marker records the digest of the conversations it was planned for,
+so a killed run resumes at the shards without a verified `gen-i` of the same plan and never
+duplicates or drops a sample.
 `errors-i` is written before `gen-i`: `gen-i` is the shard's "done" mark.
+
+Incremental (drafter.reuse): earlier outputs for the same target and settings are looked up; their
+shards whose conversations are all still in the corpus are referenced whole, answers in their other
+shards are copied, and only the remaining conversations are sent to the target (in new shards after
+the referenced ones). `conversation-keys.jsonl` lists each shard's conversation keys for later runs.
 
 Multi-turn conversations are regenerated turn by turn: turn k is asked with the history holding the
 target's OWN earlier answers (the original answers are dropped), as the drafter will see at serving.
@@ -27,9 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Coroutine, TypeVar
 
+from drafter import reuse
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.formats import DATAGEN as STAGE
-from drafter.formats import PREPARE, SPLITS, error_shard_name, gen_shard_name, load_prepared
+from drafter.formats import PREPARE, SPLITS, error_shard_name, gen_shard_name, load_prepared, split_prefix
 from drafter.openai_client import ChatClient, DatagenServerDown, RequestFailed, ServerPool
 from drafter.serving.session import ServerSession
 from drafter.stage_output import EmptyOutput, Progress, ShardInfo, StageOutput, StageResult, guarded_progress, to_jsonl
@@ -42,12 +50,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
-    """The datagen section's output fields, the target's identity and the prepared corpus."""
+def _settings(cfg: LifecycleConfig) -> dict:
     # The answers depend on the target's weights and on the name requests use.
     target = {"served_name": cfg.target.served_name, **target_identity(cfg.target)}
-    return stage_fingerprint(STAGE, {"datagen": fingerprint_fields(cfg.datagen), "target": target,
-                                     "splits": list(SPLITS)}, [upstream[PREPARE]])
+    return {"datagen": fingerprint_fields(cfg.datagen), "target": target, "splits": list(SPLITS)}
+
+
+def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
+    """The datagen section's output fields, the target's identity and the prepared corpus."""
+    return stage_fingerprint(STAGE, _settings(cfg), [upstream[PREPARE]])
 
 
 def output(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> StageOutput:
@@ -68,6 +79,7 @@ class _Shard:
     errors: list[dict | None] = field(default_factory=list)
     remaining: int = 0
     saved: bool = False
+    digest: str = ""               # drafter.reuse.digest of the conversations' keys (resume check)
 
     def __post_init__(self) -> None:
         self.records = [None] * len(self.conversations)
@@ -98,6 +110,12 @@ def shard_meta(records: list[dict], errors: list[dict]) -> dict[str, Any]:
         "completion_tokens": sum(r["usage"]["completion_tokens"] for r in records),
         "finish_reasons": dict(sorted(Counter(f for r in records for f in r["finish_reasons"]).items())),
     }
+
+
+def _write_shard_files(out: StageOutput, shard: _Shard, records: list[dict], errors: list[dict]) -> None:
+    if errors:
+        out.write_shard(shard.error_name, to_jsonl(errors), meta={"rows": len(errors)})
+    out.write_shard(shard.name, to_jsonl(records), meta={**shard_meta(records, errors), "input_digest": shard.digest})
 
 
 # ------------------------------------------------------------------------------- the async run
@@ -154,7 +172,8 @@ class _Generation:
         for shard in self.shards:
             await self.window.acquire()
             for position, conversation in enumerate(shard.conversations):
-                await self.jobs.put((shard, position, conversation))
+                if shard.records[position] is None:  # not copied from an earlier output
+                    await self.jobs.put((shard, position, conversation))
         for _ in range(self.n_workers):
             await self.jobs.put(None)
 
@@ -192,9 +211,7 @@ class _Generation:
         shard.records = shard.errors = []  # free the memory; the store holds them now
 
     def _write_files(self, shard: _Shard, records: list[dict], errors: list[dict]) -> None:
-        if errors:
-            self.out.write_shard(shard.error_name, to_jsonl(errors), meta={"rows": len(errors)})
-        self.out.write_shard(shard.name, to_jsonl(records), meta=shard_meta(records, errors))
+        _write_shard_files(self.out, shard, records, errors)
 
     # ---- one conversation
 
@@ -295,7 +312,7 @@ def _counts(metas: list[dict]) -> dict[str, Any]:
 
 
 def _manifest_meta(cfg: LifecycleConfig, shards: dict[str, ShardInfo], plan: dict[str, list[str]],
-                   prepare_fp: str, resumed: int, this_run: dict[str, Any]) -> dict[str, Any]:
+                   prepare_fp: str, resumed: int, this_run: dict[str, Any], reused: dict) -> dict[str, Any]:
     """Top-level counts describe the train split (what the drafter learns from); `eval` the
     held-out split (regenerated the same way, for held-out metrics)."""
     d = cfg.datagen
@@ -305,11 +322,25 @@ def _manifest_meta(cfg: LifecycleConfig, shards: dict[str, ShardInfo], plan: dic
         "eval": _counts([shards[name].meta for name in plan["eval"]]),
         "shards": len(plan["train"]), "eval_shards": len(plan["eval"]), "shard_size": d.shard_size,
         "resumed_shards": resumed,
+        "reuse": reused,
         "generation": {"model": cfg.target.served_name, "target_path": cfg.target.path,
                        "temperature": d.temperature, "max_tokens": d.max_tokens,
                        "request_timeout_s": d.request_timeout_s, "max_retries": d.max_retries},
         "throughput": this_run,  # this run only: shards resumed from an earlier run are not timed
     }
+
+
+def _drop_unplanned(out: StageOutput, done: dict[str, ShardInfo], plan: dict[str, list[str]],
+                    todo: list[_Shard]) -> None:
+    """Shards of a killed attempt that planned differently (the reusable history changed since)
+    would be committed with ours: remove what this plan does not name. Errors of a shard that is
+    redone go too (`_drop_stale_errors`)."""
+    keep = {name for names in plan.values() for name in names} | {reuse.KEYS_SHARD}
+    keep |= {name.replace("gen-", "errors-", 1) for name in keep}
+    for name in done:
+        if name not in keep:
+            out.store.delete(out.key(name))
+    _drop_stale_errors(out, done, todo)
 
 
 def _drop_stale_errors(out: StageOutput, done: dict[str, ShardInfo], todo: list[_Shard]) -> None:
@@ -335,29 +366,70 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     if out.is_complete():
         return _result(out, skipped=True)
     prepare_fingerprint = upstream[PREPARE]
-    size = cfg.datagen.shard_size
-    shards: list[_Shard] = []
-    for split in SPLITS:
-        conversations = load_prepared(store, prepare_fingerprint, split)
-        shards += [_Shard(i, conversations[i * size:(i + 1) * size], split)
-                   for i in range(math.ceil(len(conversations) / size))]
-    plan = {split: [s.name for s in shards if s.split == split] for split in SPLITS}
+    key = reuse.reuse_key(STAGE, _settings(cfg))
+    earlier = reuse.earlier_outputs(store, STAGE, key, out.fingerprint)
+    shards, links = _plan(store, cfg, prepare_fingerprint, earlier)
+    plan = {split: [name for name, _ in links if name.startswith(f"{split_prefix(split)}gen-")]
+            + [s.name for s in shards if s.split == split] for split in SPLITS}
     done = out.completed_shards()
-    todo = [s for s in shards if s.name not in done]
+    digest_of = lambda name: (done[name].meta.get("input_digest") if name in done else None)
+    for name, link in links:
+        if digest_of(name) != reuse.digest(link.keys):
+            out.store.delete(out.key(name.replace("gen-", "errors-", 1)))  # a killed attempt's
+            out.link_shard(name, link.source, link.source_name,
+                           meta={**reuse.linked_meta(link.source.manifest.shard(link.source_name).meta),
+                                 "input_digest": reuse.digest(link.keys)})
+    todo = [s for s in shards if digest_of(s.name) != s.digest]
     resumed = len(shards) - len(todo)
+    reused = {"earlier_outputs": [o.fingerprint for o in earlier], "linked_shards": len(links),
+              "linked_conversations": sum(len(link.keys) for _, link in links),
+              "copied_conversations": sum(len(s.conversations) - s.remaining for s in shards),
+              "asked_conversations": sum(s.remaining for s in todo)}
     this_run: dict[str, Any] = {}
+    _drop_unplanned(out, done, plan, todo)
+    for shard in [s for s in todo if not s.remaining]:  # every answer copied: nothing to ask
+        _write_shard_files(out, shard, list(shard.records), [])
+    todo = [s for s in todo if s.remaining]
     if todo:
         if resumed:
             log.info("datagen: resuming %s, %d of %d shards already done", out.uri, resumed, len(shards))
-        _drop_stale_errors(out, done, todo)
         total = sum(len(s.conversations) for s in shards)
         done_before = total - sum(len(s.conversations) for s in todo)
         generate = lambda urls: _run_sync(_generate(out, cfg, todo, urls, progress, done_before, total))
         this_run = _with_servers(cfg, generate, on_line)
+    # The keys of what each shard really holds (a conversation that failed is not in it).
+    linked_keys = {name: link.keys for name, link in links}
+    out.write_shard(reuse.KEYS_SHARD, to_jsonl(
+        {"shard": name, "keys": linked_keys.get(name) or [reuse.conversation_key(r) for r in out.read_jsonl(name)]}
+        for split in SPLITS for name in plan[split]))
     out.commit(lambda committed: _not_empty(cfg, _manifest_meta(cfg, committed, plan, prepare_fingerprint,
-                                                                resumed, this_run)),
-               expect=[s.name for s in shards])
+                                                                resumed, this_run, reused)),
+               expect=[*plan["train"], *plan["eval"], reuse.KEYS_SHARD])
+    reuse.register(out, key)
     return _result(out, skipped=False)
+
+
+def _plan(store: ObjectStore, cfg: LifecycleConfig, prepare_fp: str, earlier: list[StageOutput]
+          ) -> tuple[list[_Shard], list[tuple[str, reuse.Link]]]:
+    """Per split: earlier shards referenced whole (named first), then new shards of the remaining
+    conversations in corpus order, with answers found in earlier shards filled in."""
+    size = cfg.datagen.shard_size
+    shards: list[_Shard] = []
+    links: list[tuple[str, reuse.Link]] = []
+    for split in SPLITS:
+        conversations = load_prepared(store, prepare_fp, split)
+        found = reuse.plan_datagen(earlier, conversations, f"{split_prefix(split)}gen-")
+        links += [(gen_shard_name(i, split), link) for i, link in enumerate(found.links)]
+        rest, first = found.remaining, len(found.links)
+        for i in range(math.ceil(len(rest) / size)):
+            shard = _Shard(first + i, rest[i * size:(i + 1) * size], split)
+            keys = [reuse.conversation_key(c) for c in shard.conversations]
+            shard.digest = reuse.digest(keys)
+            for position, k in enumerate(keys):
+                if k in found.copies:
+                    shard.finish(position, found.copies[k], None)
+            shards.append(shard)
+    return shards, links
 
 
 def _not_empty(cfg: LifecycleConfig, meta: dict[str, Any]) -> dict[str, Any]:
