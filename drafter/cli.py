@@ -14,6 +14,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Train, export, serve and benchmark EAGLE-3 drafters.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect and validate configuration profiles.")
 app.add_typer(config_app, name="config")
+registry_app = typer.Typer(no_args_is_help=True, help="The drafter registry: champion per target and name.")
+app.add_typer(registry_app, name="registry")
 
 ConfigOpt = typer.Option(..., "--config", "-c", help="YAML profile, e.g. profiles/demo.yaml")
 _DEBUG = False  # --debug: expected errors show their traceback too
@@ -152,6 +154,60 @@ def export(config: Path = ConfigOpt,
 def bench(config: Path = ConfigOpt) -> None:
     """Sweep speculative settings against the baseline measured in the same run; print the table."""
     _run_stage("bench", _load(config), unit="measurement", on_line=None)
+
+
+@app.command("champion")
+def champion(config: Path = ConfigOpt) -> None:
+    """Judge this configuration's export against the registry's champion; promote it only when better."""
+    _run_stage("champion", _load(config), unit="prompt", on_line=lambda line: typer.echo(line, err=True))
+
+
+def _registry(config: Path):
+    from drafter.registry import Registry
+    from drafter.store import open_store
+
+    cfg = _load(config)
+    return Registry.for_config(cfg, open_store(cfg.storage))
+
+
+def _event_line(e: dict) -> str:
+    return f"  #{e['seq']} {e['at']} {e['action']:<8} export {e['export']}  {e['reason']}"
+
+
+@registry_app.command("list")
+def registry_list(config: Path = ConfigOpt,
+                  all_entries: bool = typer.Option(False, "--all", help="every target and name in the store")) -> None:
+    """The champion and its history (this configuration's target and drafter name, or --all)."""
+    from drafter.registry import list_registries
+    from drafter.store import open_store
+
+    if all_entries:
+        cfg = _load(config)
+        rows = list_registries(open_store(cfg.storage))
+    else:
+        reg = _registry(config)
+        doc = reg.load()
+        rows = [{"target": reg.target, "name": reg.name, "events": doc["events"],
+                 "champion": doc["events"][-1]["export"] if doc["events"] else None}]
+    for row in rows:
+        typer.echo(f"{row['name']} (target {row['target']}): champion {row['champion'] or '(none yet)'}")
+        for event in row["events"]:
+            typer.echo(_event_line(event))
+
+
+@registry_app.command("promote")
+def registry_promote(export_fp: str = typer.Argument(..., metavar="EXPORT", help="export fingerprint"),
+                     config: Path = ConfigOpt,
+                     reason: str = typer.Option("manual promotion", help="recorded in the history")) -> None:
+    """Make a committed export of this target the champion."""
+    typer.echo(_event_line(_registry(config).promote(export_fp, reason)))
+
+
+@registry_app.command("rollback")
+def registry_rollback(config: Path = ConfigOpt,
+                      reason: str = typer.Option("manual rollback", help="recorded in the history")) -> None:
+    """Make the previous champion the champion again (`serve.draft_path: champion` then serves it)."""
+    typer.echo(_event_line(_registry(config).rollback(reason)))
 
 
 @app.command("storage-estimate")

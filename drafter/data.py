@@ -11,11 +11,11 @@ import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 from drafter.config import DataSource
 from drafter.errors import DrafterError
-from drafter.hashing import hash_file
+from drafter.hashing import hash_file, sha256_hex
 
 # Role names seen in ShareGPT dumps and OpenAI-style rows, mapped to the three chat roles.
 ROLES = {
@@ -136,16 +136,59 @@ def iter_json_array(fp: TextIO, stats: ReadStats, chunk_chars: int = 1 << 20) ->
 
 def _iter_jsonl(path: Path, stats: ReadStats) -> Iterator[Any]:
     with open(path, "rb") as fp:
-        for line in fp:
-            if not line.strip():
-                continue
-            stats.rows += 1
-            try:
-                yield json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                yield BadLine("json_decode", str(err)[:200])
-            except RecursionError:  # e.g. a line of 200,000 '[': deeper than any conversation
-                yield BadLine("json_too_deep", f"nested deeper than Python's recursion limit ({len(line)} bytes)")
+        yield from _parse_lines(fp, stats)
+
+
+def _parse_lines(lines, stats: ReadStats) -> Iterator[Any]:
+    for line in lines:
+        if not line.strip():
+            continue
+        stats.rows += 1
+        try:
+            yield json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            yield BadLine("json_decode", str(err)[:200])
+        except RecursionError:  # e.g. a line of 200,000 '[': deeper than any conversation
+            yield BadLine("json_too_deep", f"nested deeper than Python's recursion limit ({len(line)} bytes)")
+
+
+# ---- growing sources: a folder or an S3 prefix of JSONL files (e.g. a daily export of requests)
+
+
+def is_growing(src: DataSource) -> bool:
+    """A `jsonl` source whose path is a directory or an s3:// prefix: every `*.jsonl` file in it."""
+    return src.kind == "jsonl" and (src.path.startswith("s3://") or Path(src.path).is_dir())
+
+
+def _source_store(src: DataSource):
+    from drafter.config import StorageConfig
+    from drafter.store import open_store
+
+    return open_store(StorageConfig(root=src.path.rstrip("/"), endpoint_url=src.endpoint_url, region=src.region))
+
+
+def growing_files(src: DataSource) -> list[tuple[str, Callable[[], bytes]]]:
+    """(name, read) per `*.jsonl` file of a growing source, sorted by name (a daily export named by
+    date reads oldest first, so earlier conversations keep their place when files are added)."""
+    if src.path.startswith("s3://"):
+        store = _source_store(src)
+        files = [(k, lambda k=k: store.get_bytes(k)) for k in store.list("") if k.endswith(".jsonl")]
+    else:
+        root = Path(src.path)
+        files = [(p.name, p.read_bytes) for p in sorted(root.glob("*.jsonl")) if p.is_file()]
+    if not files:
+        raise SourceError(f"{src.path}: no *.jsonl files")
+    return files
+
+
+def _iter_growing(src: DataSource, stats: ReadStats) -> Iterator[Any]:
+    for name, read in growing_files(src):
+        for line_no, row in enumerate(_parse_lines(read().split(b"\n"), stats)):
+            # A row without an id gets one from its file and line, so adding a file never renames
+            # the conversations of the others (ids decide the train/eval split and the reuse).
+            if isinstance(row, dict) and row.get("id") in (None, ""):
+                row = {**row, "id": f"{name}:{line_no}"}
+            yield row
 
 
 def _load_hf_disk(src: DataSource):
@@ -188,6 +231,8 @@ def read_source(src: DataSource, stats: ReadStats) -> Iterator[Any]:
             with open(path, encoding="utf-8", errors="replace") as fp:
                 yield from iter_json_array(fp, stats)
         it = rows()
+    elif is_growing(src):
+        it = _iter_growing(src, stats)
     elif src.kind == "jsonl":
         path = Path(src.path)
         if not path.is_file():
@@ -207,8 +252,10 @@ def _sha256_file(path: Path) -> str:
 
 def source_identity(src: DataSource) -> dict:
     """A cheap identity of a source's content, for the stage fingerprint (no row is parsed)."""
-    ident: dict[str, Any] = src.model_dump(mode="json")
-    if src.kind == "sharegpt" and not src.path:
+    ident: dict[str, Any] = src.model_dump(mode="json", exclude={"endpoint_url", "region"})
+    if is_growing(src):  # the files' content: a new file is a new corpus version
+        ident["files"] = [{"name": name, "sha256": sha256_hex(read())} for name, read in growing_files(src)]
+    elif src.kind == "sharegpt" and not src.path:
         import importlib.metadata
 
         path = sharegpt_package_path()

@@ -28,8 +28,9 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from drafter.formats import DATAGEN, read_conversations, shards_of_split
 from drafter.hashing import canonical_json, short_hash
-from drafter.stage_output import ObjectNotFound, StageOutput
+from drafter.stage_output import ObjectNotFound, ShardInfo, StageOutput
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore, StoreError
 
@@ -141,9 +142,32 @@ def linked_meta(meta: dict) -> dict:
 # ---- dump
 
 
+def dump_pieces(store: ObjectStore, upstream_stage: str, upstream_fp: str, split: str, size: int) -> list[list[dict]]:
+    """The records of one split cut into dump pieces of at most `size`, never across an upstream
+    shard (datagen's shards; prepare's split is one shard), so a referenced datagen shard yields the
+    pieces it yielded before."""
+    if upstream_stage == DATAGEN:
+        out = StageOutput.committed(store, DATAGEN, upstream_fp)
+        blocks = [out.read_jsonl(name) for name in shards_of_split(out.manifest, "gen", split)]
+    else:
+        blocks = [read_conversations(store, upstream_stage, upstream_fp, split)]
+    return [block[i:i + size] for block in blocks for i in range(0, len(block), size)]
+
+
 def records_digest(records: list[dict]) -> str:
     """A dump piece's content address: exactly the records its hidden states are computed from."""
     return short_hash(canonical_json(records))
+
+
+def dump_reuse_meta(earlier: list[StageOutput], shards: Iterable[ShardInfo]) -> dict:
+    """What an output reused, from its committed shards (a resumed run reports what an
+    uninterrupted one would): referenced vs computed shards and their input records."""
+    counts = {"linked_shards": 0, "linked_records": 0, "computed_shards": 0, "computed_records": 0}
+    for s in shards:
+        kind = "linked" if s.source else "computed"
+        counts[f"{kind}_shards"] += 1
+        counts[f"{kind}_records"] += s.meta["samples"] + len(s.meta["quarantined"])
+    return {"earlier_outputs": [o.fingerprint for o in earlier], **counts}
 
 
 def dump_index(earlier: list[StageOutput]) -> dict[str, tuple[StageOutput, str]]:

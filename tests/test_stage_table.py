@@ -12,7 +12,7 @@ from drafter.stages import STAGES, TABLE, Stage, StageTable
 
 ROOT = Path(__file__).resolve().parents[1]
 # The config section each stage reads (the fields whose classification the fingerprints rely on).
-STAGE_SECTIONS = ("data", "datagen", "dump", "train", "export", "serve", "bench")
+STAGE_SECTIONS = ("data", "datagen", "dump", "train", "export", "serve", "bench", "retrain")
 
 
 def corpus_config(tmp_path) -> LifecycleConfig:

@@ -94,11 +94,13 @@ def judge_export(sglang_dir: str | Path, target, prompts: list[list[int]], *, nu
     b_verifies, b_accepted = [0] * len(buckets), [0] * len(buckets)
     at_position = [0] * num_steps
     verifies = accepted = completion = requests = 0
+    per_prompt: list[list[int]] = []  # [verifies, accepted drafts] per prompt: paired comparisons
     started = time.monotonic()
     for i, prompt in enumerate(prompts):
         res = engine.generate(prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
         requests += 1
         completion += res.completion_tokens
+        per_prompt.append([len(res.verifies), sum(acc for _, acc in res.verifies)])
         for before, acc in res.verifies:
             verifies += 1
             accepted += acc
@@ -124,6 +126,7 @@ def judge_export(sglang_dir: str | Path, target, prompts: list[list[int]], *, nu
             {"output_tokens": f"[{lo}, {'inf' if hi is None else hi})", "verifies": v,
              "accept_length": (1 + a / v) if v else None}
             for (lo, hi), v, a in zip(buckets, b_verifies, b_accepted)],
+        "per_prompt": per_prompt,
         "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
         "seconds": round(seconds, 2), "torch": torch.__version__,
     }

@@ -51,7 +51,10 @@ STAGES: tuple[Stage, ...] = (
           upstream=("dump",)),
     Stage("export", "drafter.stages.export", "write the SGLang and vLLM formats, check them, judge the "
                                              "accept length offline", upstream=("train", "prepare")),
-    # This run's export, unless the profile names a drafter directory or serves the target alone.
+    Stage("champion", "drafter.stages.champion", "judge this run's export against the registry's champion on "
+                                                 "the same held-out prompts; promote it only when better",
+          upstream=("export", "prepare")),
+    # This run's export, unless the profile names a drafter directory (or `champion`) or serves the target alone.
     Stage("serve", "drafter.stages.serve", "start the server, gate it on a real generation, read its "
                                            "settings back, stop it", starts_servers=True, retries=2,
           upstream=lambda cfg: ("export",) if cfg.serve.speculative is not None and not cfg.serve.draft_path else ()),

@@ -26,10 +26,11 @@ from drafter.bench.stats import summarize
 from drafter.bench.sweep import Sweep, hardware
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.formats import EXPORT, PREPARE, load_prepared
+from drafter.registry import CHAMPION, Registry
 from drafter.stages import serve as serve_stage
 from drafter.stage_output import Progress, StageOutput, StageResult
 from drafter.stage_output import fingerprint as stage_fingerprint
-from drafter.store import ObjectStore
+from drafter.store import ObjectStore, open_store
 from drafter.target_identity import target_fingerprint, target_identity
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ _SERVE_NOT_IDENTITY = {"speculative", "draft_path"}
 def _drafter_identity(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> dict | None:
     if not cfg.bench.speculative:
         return None  # a baseline-only sweep needs no drafter
+    if cfg.serve.draft_path == CHAMPION:  # the export that is champion now
+        return {"export": Registry.for_config(cfg, open_store(cfg.storage)).require_champion()}
     if cfg.serve.draft_path:
         try:
             return {"draft_dir": target_fingerprint(cfg.serve.draft_path)}

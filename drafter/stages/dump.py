@@ -5,8 +5,9 @@ whose meta records what a reader must agree with: target fingerprint, tokenizer 
 hashes, dtype, `aux_layer_ids` + `layer_id_convention`, hidden size, counts, bytes per token, the
 storage projection and the quarantined samples.
 
-Shard i holds the samples [i*S, (i+1)*S) of the upstream order (S = dump.samples_per_shard), minus
-quarantined ones (bad record, template error, no assistant token, NaN/Inf states). Inside a shard
+Shards follow the upstream's shards: each datagen shard (the prepare split, for `dump.upstream:
+prepare`) is cut into pieces of S samples (S = dump.samples_per_shard) in order, and shard i holds
+piece i, minus quarantined ones (bad record, template error, no assistant token, NaN/Inf states). Inside a shard
 the batches are a pure function of the token lengths and dump.tokens_per_batch, so a resumed run
 recomputes only the shards that were not verified yet, with the same float operations: the files
 are byte-identical to an uninterrupted run's (tested on CPU; seen on 2 x H200 for the same GPU
@@ -19,6 +20,10 @@ the GPU model can change the last bits of the floats (batch shapes pick kernels)
 mean, and re-dumping terabytes because a resume runs on other GPUs would be the wrong trade. Each
 shard's marker records the device and tokens_per_batch that computed it. (The fields declare this
 themselves: OperationalField in drafter.config.)
+
+Incremental (drafter.reuse): each shard's marker records the digest of the records it was computed
+from; a piece that an earlier dump of the same target and settings already computed is referenced
+from that dump, not recomputed, so a retrain on a grown corpus computes only the new pieces.
 
 The reader of this output (drafter.formats.iter_dump_samples) refuses a dump whose layer ids or
 convention differ from what it expects.
@@ -35,7 +40,6 @@ bytes, format_version 2), encoded on the device; readers decode to the capture d
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import os
 import shutil
@@ -50,11 +54,11 @@ from pathlib import Path
 
 import torch
 
-from drafter import capture, dump_pipeline, fp8, prefetch
+from drafter import capture, dump_pipeline, fp8, prefetch, reuse
 from drafter.config import LAYER_ID_CONVENTION, ConfigError, LifecycleConfig, fingerprint_fields
 from drafter.dtypes import dtype_name
 from drafter.errors import DrafterError
-from drafter.formats import DATAGEN, PREPARE, SPLITS, read_conversations, split_prefix
+from drafter.formats import DATAGEN, PREPARE, SPLITS, split_prefix
 from drafter.formats import DUMP as STAGE
 from drafter.formats import hidden_state_shard_name as shard_name
 from drafter.layers import check_aux_layer_ids
@@ -89,17 +93,22 @@ class DumpPlan:
     template_hash: str
 
     @property
-    def fingerprint(self) -> str:
+    def settings(self) -> dict:
+        """Everything that determines the bytes except the upstream (outputs with equal settings
+        can share shards computed from equal records: drafter.reuse)."""
         dump = fingerprint_fields(self.cfg.dump)
         del dump["aux_layer_ids"], dump["dtype"]  # in their resolved form below
         storage = dump.pop("storage_dtype")  # the default leaves earlier dumps' fingerprints as they were
         if storage != "model":
             dump["storage_dtype"] = storage
-        config = {"dump": dump, "dtype": dtype_name(self.dtype), "target": self.target_fingerprint,
-                  "tokenizer": self.tokenizer_hash, "chat_template": self.template_hash,
-                  "aux_layer_ids": self.aux_layer_ids, "layer_id_convention": LAYER_ID_CONVENTION,
-                  "shard_format": [FORMAT, format_version(storage)], "upstream_stage": self.upstream_stage}
-        return stage_fingerprint(STAGE, config, [self.upstream_fingerprint])
+        return {"dump": dump, "dtype": dtype_name(self.dtype), "target": self.target_fingerprint,
+                "tokenizer": self.tokenizer_hash, "chat_template": self.template_hash,
+                "aux_layer_ids": self.aux_layer_ids, "layer_id_convention": LAYER_ID_CONVENTION,
+                "shard_format": [FORMAT, format_version(storage)], "upstream_stage": self.upstream_stage}
+
+    @property
+    def fingerprint(self) -> str:
+        return stage_fingerprint(STAGE, self.settings, [self.upstream_fingerprint])
 
 
 def plan_dump(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> DumpPlan:
@@ -166,6 +175,7 @@ class TokenizedShard:
     samples: list[tuple[str, list[int], list[int]]]
     quarantined: list[dict]
     truncated: int
+    input_digest: str = ""  # drafter.reuse.records_digest of the records (what a later dump can reference)
 
 
 def tokenize_shard(tokenizer, max_length: int, index: int, records: list[dict],
@@ -192,7 +202,7 @@ def tokenize_shard(tokenizer, max_length: int, index: int, records: list[dict],
             quarantined.append({"id": str(rid) if rid is not None else f"#{where}", "reason": reason})
             continue
         samples.append((str(rec["id"]), ids, mask))
-    return TokenizedShard(index, split, samples, quarantined, truncated)
+    return TokenizedShard(index, split, samples, quarantined, truncated, reuse.records_digest(records))
 
 
 _PROCESS_TOKENIZER = None  # a tokenizer process's own copy
@@ -263,7 +273,8 @@ class ShardBuild:
 
     def meta(self) -> dict:
         dump = self.plan.cfg.dump
-        return {"index": self.tok.index, "split": self.tok.split, "samples": len(self.writer),
+        return {"index": self.tok.index, "split": self.tok.split, "input_digest": self.tok.input_digest,
+                "samples": len(self.writer),
                 "tokens": self.writer.num_tokens, "loss_tokens": self.loss_tokens, "truncated": self.tok.truncated,
                 "quarantined": self.tok.quarantined, "batches": len(self.batches), "device": str(self.cm.device),
                 "tokens_per_batch": dump.tokens_per_batch, "backend": getattr(self.cm, "backend", "hf")}
@@ -423,24 +434,39 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     if out.is_complete():
         return _result(out, skipped=True)
     upstream_stage, upstream_fingerprint = plan.upstream_stage, plan.upstream_fingerprint
-    size = cfg.dump.samples_per_shard
     # Train shards first, then the (small) held-out split the trainer evaluates on.
-    splits = {split: read_conversations(store, upstream_stage, upstream_fingerprint, split) for split in SPLITS}
-    if not splits["train"]:
+    pieces = {split: reuse.dump_pieces(store, upstream_stage, upstream_fingerprint, split,
+                                       cfg.dump.samples_per_shard) for split in SPLITS}
+    if not pieces["train"]:
         raise EmptyUpstream(f"{upstream_stage}/{upstream_fingerprint} holds no conversations")
-    jobs = [(split, i) for split in SPLITS for i in range(math.ceil(len(splits[split]) / size))]
+    jobs = [(split, i) for split in SPLITS for i in range(len(pieces[split]))]
     names = {split: [shard_name(i, split) for s, i in jobs if s == split] for split in SPLITS}
+    digests = {(split, i): reuse.records_digest(pieces[split][i]) for split, i in jobs}
     done = out.completed_shards()
-    pending = [(split, i) for split, i in jobs if shard_name(i, split) not in done]
-    records = {(split, i): splits[split][i * size:(i + 1) * size] for split, i in pending}
-    del splits
+    for name in set(done) - {shard_name(i, split) for split, i in jobs}:
+        store.delete(out.key(name))  # a killed attempt planned with other pieces: never commit it
+    # A shard counts as done only when it was computed from this plan's records.
+    pending = [(split, i) for split, i in jobs
+               if shard_name(i, split) not in done
+               or done[shard_name(i, split)].meta.get("input_digest") != digests[(split, i)]]
+    key = reuse.reuse_key(STAGE, plan.settings)
+    earlier = reuse.earlier_outputs(store, STAGE, key, out.fingerprint)
+    found = reuse.dump_index(earlier)
+    linked = [j for j in pending if digests[j] in found]
+    for split, i in linked:
+        out.link_shard(shard_name(i, split), *found[digests[(split, i)]])
+    pending = [j for j in pending if digests[j] not in found]
+    records = {j: pieces[j[0]][j[1]] for j in pending}
+    del pieces
     if pending:
         log.info("dump %s: %d of %d shards to compute on %s", out.uri, len(pending), len(jobs),
                  ", ".join(map(str, plan.devices[:len(pending)])))
         _run_workers(plan, out, pending, records, progress, len(jobs) - len(pending), len(jobs))
-    out.commit(lambda shards: summarize(plan, [shards[n] for n in names["train"]],
-                                        [shards[n] for n in names["eval"]]),
+    out.commit(lambda shards: {**summarize(plan, [shards[n] for n in names["train"]],
+                                           [shards[n] for n in names["eval"]]),
+                               "reuse": reuse.dump_reuse_meta(earlier, shards.values())},
                expect=[shard_name(i, split) for split, i in jobs])
+    reuse.register(out, key)
     return _result(out, skipped=False)
 
 

@@ -1,7 +1,8 @@
 """The `serve` stage: start the configured engine with the configured drafter, gate it on a real
 generation, read back the speculative settings it actually uses, and tear it down.
 
-The drafter: `serve.draft_path` when set; otherwise, when `serve.speculative` is set, this
+The drafter: `serve.draft_path` when set (`champion`: the drafter registry's current champion for
+this target and `retrain.drafter_name`); otherwise, when `serve.speculative` is set, this
 configuration's export (the stage table makes `export` its upstream then). With neither, the target is
 served alone. It writes nothing to the store: its result is the server's report (settings read back, phases,
 log and launch-environment paths). A failed start raises its typed ServerStartError (crashed,
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from drafter.config import LifecycleConfig
 from drafter.formats import EXPORT, download_export
+from drafter.registry import CHAMPION, Registry
 from drafter.serving.check import check_server
 from drafter.stage_output import Progress, StageResult
 from drafter.store import ObjectStore
@@ -33,7 +35,10 @@ def export_dir(cfg: LifecycleConfig, store: ObjectStore, export_fp: str) -> str:
 
 
 def draft_path(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> str | None:
-    """`serve.draft_path`, else this run's export when the table made it an upstream, else None."""
+    """`serve.draft_path` (`champion`: the registry's current champion export), else this run's
+    export when the table made it an upstream, else None."""
+    if cfg.serve.draft_path == CHAMPION:
+        return export_dir(cfg, store, Registry.for_config(cfg, store).require_champion())
     if cfg.serve.draft_path:
         return cfg.serve.draft_path
     return export_dir(cfg, store, upstream[EXPORT]) if EXPORT in upstream else None

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from drafter.config import LifecycleConfig, fingerprint_fields, parse_config
-from drafter.formats import DUMP, TRAIN_CURVES, TRAIN_METRICS, TRAINED_DRAFTER_FILES
+from drafter.formats import DUMP, TRAIN_CURVES, TRAIN_METRICS, TRAINED_DRAFTER_FILES, download_export
+from drafter.registry import CHAMPION
 from drafter.formats import TRAIN as STAGE
 from drafter.hashing import hash_file, short_hash
 from drafter.launch_env import launch_overrides
@@ -51,11 +52,23 @@ def _init_from_identity(path: str | None) -> str | None:
     return short_hash("".join(f"{f.name}:{hash_file(f)[1]}\n" for f in files))
 
 
+def _champion(cfg: LifecycleConfig, store: ObjectStore | None = None) -> str | None:
+    """`train.init_from: champion`: the registry's champion export now (None: none yet, so the
+    first retrain trains from scratch)."""
+    from drafter.registry import Registry
+
+    return Registry.for_config(cfg, store or open_store(cfg.storage)).champion_export()
+
+
 def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
     """The train section's output fields, the aux layer ids, the target, the starting drafter and
     the dump (the hidden states it learns from)."""
     section = fingerprint_fields(cfg.train)
-    section["init_from"] = _init_from_identity(cfg.train.init_from)
+    if cfg.train.init_from == CHAMPION:
+        champion = _champion(cfg)
+        section["init_from"] = {"champion_export": champion} if champion else None
+    else:
+        section["init_from"] = _init_from_identity(cfg.train.init_from)
     return stage_fingerprint(STAGE, {"train": section, "aux_layer_ids": cfg.aux_layer_ids(),
                                      "target": target_identity(cfg.target)}, [upstream[DUMP]])
 
@@ -69,6 +82,10 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
         return _result(out, skipped=True)
     StageOutput.committed(store, DUMP, upstream[DUMP])  # a missing dump fails here, naming it
     with tempfile.TemporaryDirectory(prefix="drafter-train-") as work:
+        champion = _champion(cfg, store) if cfg.train.init_from == CHAMPION else None
+        if cfg.train.init_from == CHAMPION:  # fine-tune the champion's SGLang files (or start afresh)
+            start = str(download_export(store, champion, Path(work) / "champion", "sglang")) if champion else None
+            cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": start})})
         if cfg.train.nproc_per_node > 1:
             meta = _train_torchrun(cfg, upstream[DUMP], fp, Path(work), on_line)
         else:
@@ -78,7 +95,7 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
             out.write_shard(name, drafter_dir / Path(name).name)
         out.write_shard(TRAIN_METRICS, Path(work) / TRAIN_METRICS)
         out.write_shard(TRAIN_CURVES, Path(work) / TRAIN_CURVES)
-    out.commit({**meta, "dump_fingerprint": upstream[DUMP]})
+    out.commit({**meta, "dump_fingerprint": upstream[DUMP], "init_from_champion": champion})
     return _result(out, skipped=False)
 
 

@@ -1,0 +1,79 @@
+"""The retrain verdict: is the challenger measurably better than the champion?
+
+Both drafters are judged offline on the same held-out prompts in the same run (drafter.export.judge,
+which records verifies and accepted drafts per prompt). The figure is the offline accept length
+(1 + accepted drafts / verifies, SGLang's bonus token included); the interval is a paired percentile
+bootstrap over prompts (a prompt keeps its champion and challenger figures together, so an easy
+prompt helps both). The challenger is promoted only when its gain is at least `min_improvement` of
+the champion's accept length AND the interval of the difference lies above zero.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _accept_length(per_prompt: np.ndarray) -> np.ndarray:
+    """Accept length of the prompts along the last-but-one axis ([..., prompts, (verifies, accepted)])."""
+    verifies = per_prompt[..., 0].sum(axis=-1)
+    return 1.0 + per_prompt[..., 1].sum(axis=-1) / np.maximum(verifies, 1)
+
+
+def compare(champion: dict, challenger: dict, *, min_improvement: float, confidence: float,
+            samples: int, seed: int) -> dict:
+    """The verdict on two judge reports of the same prompts (`per_prompt` [verifies, accepted])."""
+    h, c = np.asarray(champion["per_prompt"], float), np.asarray(challenger["per_prompt"], float)
+    if h.shape != c.shape or h.ndim != 2 or len(h) < 2:
+        raise ValueError(f"need the same >= 2 prompts judged for both drafters, got {h.shape} and {c.shape}")
+    al_h, al_c = float(_accept_length(h)), float(_accept_length(c))
+    diff, rel = al_c - al_h, (al_c - al_h) / al_h
+    idx = np.random.default_rng(seed).integers(0, len(h), size=(samples, len(h)))
+    boot = _accept_length(c[idx]) - _accept_length(h[idx])
+    alpha = 1.0 - confidence
+    low, high = (float(v) for v in np.quantile(boot, [alpha / 2, 1 - alpha / 2]))
+    problems = []
+    if rel < min_improvement:
+        problems.append(f"gain {rel:+.1%} is below retrain.min_improvement {min_improvement:.1%}")
+    if low <= 0:
+        problems.append(f"the {confidence:.0%} interval of the difference [{low:+.3f}, {high:+.3f}] does not "
+                        f"exclude zero (no measurable improvement on {len(h)} prompts)")
+    promoted = not problems
+    figures = f"challenger accept length {al_c:.3f} vs champion {al_h:.3f} ({rel:+.1%}, difference {diff:+.3f}, " \
+              f"{confidence:.0%} interval [{low:+.3f}, {high:+.3f}], {len(h)} prompts)"
+    reason = figures + ("; " + "; ".join(problems) if problems else
+                        f": better by at least {min_improvement:.1%} with the interval above zero")
+    return {"promoted": promoted, "reason": reason, "problems": problems,
+            "champion_accept_length": al_h, "challenger_accept_length": al_c, "difference": diff,
+            "relative": rel, "interval": [low, high], "confidence": confidence, "prompts": len(h),
+            "min_improvement": min_improvement}
+
+
+def plot_decisions(decisions: list[dict]) -> bytes:
+    """PNG: the challenger's and the champion's offline accept length at every retrain, promoted
+    retrains marked (the registry's `decisions`, oldest first)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = list(range(1, len(decisions) + 1))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    chal = [d.get("challenger_accept_length") for d in decisions]
+    champ = [d.get("champion_accept_length") for d in decisions]
+    ax.plot(xs, [v if v is not None else float("nan") for v in champ], "o--", color="grey", label="champion")
+    ax.plot(xs, [v if v is not None else float("nan") for v in chal], "o-", color="tab:blue", label="challenger")
+    for x, d, v in zip(xs, decisions, chal):
+        if d.get("verdict") == "promoted" and v is not None:
+            ax.plot([x], [v], "*", color="tab:green", markersize=14)
+    ax.plot([], [], "*", color="tab:green", markersize=10, label="promoted")
+    ax.set_xlabel("retrain")
+    ax.set_ylabel("offline accept length")
+    ax.set_xticks(xs)
+    ax.set_title("accept length across retrains")
+    ax.legend(fontsize=8)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()

@@ -1,0 +1,137 @@
+"""The `champion` stage: this run's export (the challenger) against the registry's champion.
+
+Upstream: {"export": fp, "prepare": fp}. Both drafters are judged offline on the same held-out
+prompts of this run's corpus (the eval split, `export.eval_prompts`, `export.judge_num_steps`,
+`export.judge_max_new_tokens`, greedy), in this run; the verdict (drafter.retrain.compare) promotes
+the challenger only when it is better by `retrain.min_improvement` with the interval of the
+difference above zero. Without a champion the challenger is promoted: it passed the export gate
+(the export stage commits only a drafter whose judgement passed). A challenger that already is the
+champion leaves everything unchanged.
+
+Output (`champion/<fingerprint>/`): `decision.json` (the verdict and its figures),
+`judge-champion.json` / `judge-challenger.json` (the two judgements, per prompt) and
+`accept-length.png` (accept length across every retrain of this drafter). The registry
+(drafter.registry) is updated BEFORE the commit: a crash in between re-runs as "unchanged".
+The fingerprint names the pair (challenger, champion at the start), so a rollback followed by a
+re-run judges again.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from drafter.config import LifecycleConfig, fingerprint_fields
+from drafter.formats import EXPORT, PREPARE, download_export, load_prepared
+from drafter.registry import Registry
+from drafter.retrain import compare, plot_decisions
+from drafter.stage_output import Progress, StageOutput, StageResult, guarded_progress
+from drafter.stage_output import fingerprint as stage_fingerprint
+from drafter.store import ObjectStore, open_store
+from drafter.target_identity import target_identity
+
+STAGE = "champion"
+DECISION, PLOT = "decision.json", "accept-length.png"
+JUDGE_FIELDS = ("eval_prompts", "judge_num_steps", "judge_max_new_tokens", "judge_bucket_edges")
+
+
+def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
+    """The retrain section, the judge settings, the target, the registry entry and its champion
+    now, the challenger export and the corpus whose held-out prompts judge them."""
+    registry = Registry.for_config(cfg, open_store(cfg.storage))
+    config = {"retrain": fingerprint_fields(cfg.retrain), "judge": {k: getattr(cfg.export, k) for k in JUDGE_FIELDS},
+              "target": target_identity(cfg.target), "target_dtype": cfg.target.dtype,
+              "registry": [registry.target, registry.name], "champion": registry.champion_export()}
+    return stage_fingerprint(STAGE, config, [upstream[EXPORT], upstream[PREPARE]])
+
+
+def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str],
+        progress: Progress | None = None, on_line=None) -> StageResult:
+    out = StageOutput(store, STAGE, fingerprint(cfg, upstream))
+    if out.is_complete():
+        return _result(out, skipped=True)
+    say = on_line or (lambda line: None)
+    registry = Registry.for_config(cfg, store)
+    challenger = upstream[EXPORT]
+    challenger_judge = registry.check_export(challenger).manifest.meta["judge"]
+    champion = registry.champion_export()
+    reports: dict[str, dict] = {}
+    if champion is None:
+        al = challenger_judge["accept_length"]
+        decision = {"verdict": "promoted", "champion_accept_length": None, "challenger_accept_length": al,
+                    "reason": f"first drafter {registry.name!r} for this target: no champion yet; it passed the "
+                              f"export gate (offline accept length {al:.3f} on {challenger_judge['prompts']} "
+                              f"held-out prompts)"}
+    elif champion == challenger:
+        decision = {"verdict": "unchanged", "champion_accept_length": challenger_judge["accept_length"],
+                    "challenger_accept_length": challenger_judge["accept_length"],
+                    "reason": f"export {challenger} already is the champion"}
+    else:
+        reports = _judge_both(cfg, store, upstream[PREPARE], {"champion": champion, "challenger": challenger},
+                              guarded_progress(progress, STAGE), say)
+        r = cfg.retrain
+        verdict = compare(reports["champion"], reports["challenger"], min_improvement=r.min_improvement,
+                          confidence=r.confidence, samples=r.bootstrap_samples, seed=r.seed)
+        decision = {**verdict, "verdict": "promoted" if verdict.pop("promoted") else "rejected"}
+    decision.update(challenger=challenger, champion=champion, drafter=registry.name, target=registry.target,
+                    registry=registry.uri, corpus=upstream[PREPARE])
+    say(f"champion: {decision['verdict']}: {decision['reason']}")
+    if decision["verdict"] == "promoted":
+        registry.promote(challenger, decision["reason"], _figures(decision), decision=_figures(decision))
+    elif decision["verdict"] == "rejected":
+        registry.record_decision(_figures(decision))
+    decision["champion_after"] = registry.champion_export()
+    for who, report in reports.items():
+        out.write_shard(f"judge-{who}.json", json.dumps(report, indent=1) + "\n")
+    out.write_shard(PLOT, plot_decisions(registry.decisions()))
+    out.write_shard(DECISION, json.dumps(decision, indent=1) + "\n")
+    out.commit(decision)
+    return _result(out, skipped=False)
+
+
+def _figures(decision: dict) -> dict:
+    """What the registry and the events carry: the verdict and its numbers."""
+    keys = ("verdict", "reason", "challenger", "champion", "champion_accept_length", "challenger_accept_length",
+            "difference", "relative", "interval", "confidence", "prompts", "min_improvement", "corpus")
+    return {k: decision[k] for k in keys if k in decision}
+
+
+def _judge_both(cfg: LifecycleConfig, store: ObjectStore, prepare_fp: str, exports: dict[str, str],
+                progress: Progress | None, say) -> dict[str, dict]:
+    """Each export's SGLang files judged on the same prompts with the same target and settings."""
+    from drafter.export.judge import judge_export, prompts_from_conversations
+    from drafter.target import HFTarget
+
+    ec = cfg.export
+    target = HFTarget(cfg.target.path, device=ec.device, dtype=cfg.target.dtype,
+                      trust_remote_code=cfg.target.trust_remote_code)
+    conversations = load_prepared(store, prepare_fp, "eval")
+    prompts, _ = prompts_from_conversations(target.tokenizer, conversations, ec.eval_prompts,
+                                            target.max_position_embeddings - ec.judge_max_new_tokens)
+    reports = {}
+    with tempfile.TemporaryDirectory(prefix="drafter-champion-") as work:
+        for k, (who, export_fp) in enumerate(exports.items()):
+            sglang_dir = download_export(store, export_fp, Path(work) / who, "sglang")
+            report = judge_export(sglang_dir, target, prompts, num_steps=ec.judge_num_steps,
+                                  max_new_tokens=ec.judge_max_new_tokens, bucket_edges=ec.judge_bucket_edges,
+                                  on_prompt=(lambda done, total, k=k: progress(k * total + done, 2 * total,
+                                                                               "prompts judged"))
+                                  if progress else None)
+            reports[who] = {**report, "export": export_fp}
+            say(f"champion: {who} {export_fp}: offline accept length {report['accept_length']:.3f}")
+    return reports
+
+
+def _result(out: StageOutput, skipped: bool) -> StageResult:
+    d = out.manifest.meta
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-"
+    summary = [f"{d['verdict']}: {d['reason']}", f"champion now: export {d['champion_after']} "
+                                                   f"(registry {d['registry']})"]
+    table = [{"": "export", "champion": d.get("champion") or "-", "challenger": d["challenger"]},
+             {"": "offline accept length", "champion": fmt(d.get("champion_accept_length")),
+              "challenger": fmt(d.get("challenger_accept_length"))},
+             {"": "verdict", "champion": "kept" if d["verdict"] != "promoted" else "replaced",
+              "challenger": d["verdict"]},
+             {"": "why", "champion": "", "challenger": d["reason"]}]
+    return StageResult.committed(out.manifest, out.uri, skipped, summary, table)
