@@ -1,0 +1,218 @@
+"""The retrain loop's library parts: growing sources, incremental datagen and dump (references to
+earlier outputs, integrity through them), the drafter registry and the promotion rule."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter.config import DataConfig, DataSource, LifecycleConfig, StorageConfig, TargetConfig, parse_config
+from drafter.formats import iter_dump_samples, iter_generations, load_prepared
+from drafter.registry import Registry, RegistryError
+from drafter.retrain import compare
+from drafter.stage_output import StageOutput, to_jsonl
+from drafter.stages import datagen, dump, prepare
+from drafter.store import CorruptObject, FileStore, open_store
+from tests.test_datagen import FakeOpenAI, fakes, sharegpt, with_datagen  # noqa: F401 (fixture)
+
+
+def write_file(folder: Path, name: str, rows: list[dict]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def folder_cfg(folder: Path, storage: StorageConfig, **datagen_settings) -> LifecycleConfig:
+    settings = dict(max_tokens=16, concurrency_per_server=2, request_timeout_s=10, max_retries=1, shard_size=4)
+    settings.update(datagen_settings)
+    return parse_config({"target": {"path": "/nonexistent/target", "name": "fake-model"},
+                         "data": {"sources": [{"kind": "jsonl", "path": str(folder)}], "eval_fraction": 0},
+                         "datagen": settings, "storage": storage.model_dump()})
+
+
+# ---- growing sources
+
+
+def test_folder_source_versions_by_content_and_keeps_ids(tmp_path):
+    folder = tmp_path / "prompts"
+    write_file(folder, "day-1.jsonl", [{"prompt": f"question {i}"} for i in range(3)])
+    cfg = folder_cfg(folder, StorageConfig(root=f"file://{tmp_path / 'store'}"))
+    store = open_store(cfg.storage)
+    v1 = prepare.run(cfg, store)
+    assert [c["id"] for c in load_prepared(store, v1.fingerprint, "train")] == [
+        "day-1.jsonl:0", "day-1.jsonl:1", "day-1.jsonl:2"]
+    assert prepare.run(cfg, store).skipped
+    write_file(folder, "day-2.jsonl", [{"prompt": "question 9"}])
+    v2 = prepare.run(cfg, store)
+    assert v2.fingerprint != v1.fingerprint and not v2.skipped
+    assert StageOutput(store, "prepare", v1.fingerprint).is_complete()  # the old version is untouched
+    assert [c["id"] for c in load_prepared(store, v2.fingerprint, "train")][-1] == "day-2.jsonl:0"
+    (folder / "day-2.jsonl").write_text(json.dumps({"prompt": "question 10"}) + "\n")  # same name, new content
+    assert prepare.fingerprint(cfg) not in (v1.fingerprint, v2.fingerprint)
+
+
+@pytest.mark.s3
+def test_s3_prefix_source(s3_storage_config, tmp_path):
+    src_store = open_store(s3_storage_config)
+    src_store.put_bytes("incoming/b.jsonl", b'{"id": "b1", "prompt": "second"}\n')
+    src_store.put_bytes("incoming/a.jsonl", b'{"id": "a1", "prompt": "first"}\n')
+    src_store.put_bytes("incoming/notes.txt", b"not a prompt file")
+    source = {"kind": "jsonl", "path": f"{s3_storage_config.root}/incoming", "endpoint_url": s3_storage_config.endpoint_url,
+              "region": "us-east-1"}
+    cfg = parse_config({"target": {"path": "/nonexistent"}, "data": {"sources": [source], "eval_fraction": 0},
+                        "storage": {"root": f"file://{tmp_path / 'store'}"}})
+    store = open_store(cfg.storage)
+    result = prepare.run(cfg, store)
+    assert [c["id"] for c in load_prepared(store, result.fingerprint, "train")] == ["a1", "b1"]
+    src_store.put_bytes("incoming/c.jsonl", b'{"id": "c1", "prompt": "third"}\n')
+    assert prepare.fingerprint(cfg) != result.fingerprint
+
+
+# ---- incremental datagen
+
+
+def test_datagen_asks_only_new_conversations_and_references_earlier_shards(tmp_path, fakes):
+    fake = fakes()
+    folder = tmp_path / "prompts"
+    write_file(folder, "day-1.jsonl", [sharegpt(i) for i in range(10)])
+    cfg = folder_cfg(folder, StorageConfig(root=f"file://{tmp_path / 'store'}"), server_urls=[fake.url])
+    store = open_store(cfg.storage)
+    first = datagen.run(cfg, store, upstream={"prepare": prepare.run(cfg, store).fingerprint})
+    assert len(fake.prompts) == 10 and first.meta["reuse"]["linked_shards"] == 0
+
+    write_file(folder, "day-2.jsonl", [sharegpt(i) for i in range(10, 13)])
+    fake.received.clear()
+    v2 = prepare.run(cfg, store).fingerprint
+    second = datagen.run(cfg, store, upstream={"prepare": v2})
+    assert sorted(fake.prompts) == ["question 10.0", "question 11.0", "question 12.0"]
+    reuse = second.meta["reuse"]
+    assert (reuse["linked_shards"], reuse["linked_conversations"], reuse["asked_conversations"]) == (3, 10, 3)
+    linked = [s for s in second.manifest.shards if s.source]
+    assert {s.source.split("/")[1] for s in linked} == {first.fingerprint}
+    records = list(iter_generations(store, second.manifest))
+    assert sorted(r["id"] for r in records) == sorted(f"c{i:03d}" for i in range(13))
+    assert second.meta["generated"] == 13
+
+    # Sample granularity: drop one old conversation; the shard holding it cannot be referenced
+    # whole, its other answers are copied; nothing is asked.
+    write_file(folder, "day-1.jsonl", [sharegpt(i) for i in range(10) if i != 1])
+    fake.received.clear()
+    third = datagen.run(cfg, store, upstream={"prepare": prepare.run(cfg, store).fingerprint})
+    assert fake.prompts == [] and third.meta["reuse"]["copied_conversations"] == 3
+    assert sorted(r["id"] for r in iter_generations(store, third.manifest)) == sorted(
+        f"c{i:03d}" for i in range(13) if i != 1)
+    # Other settings are other work: nothing is reused across them.
+    hotter = with_datagen(cfg, temperature=0.7)
+    fake.received.clear()
+    datagen.run(hotter, store, upstream={"prepare": v2})
+    assert len(fake.prompts) == 13
+
+
+# ---- incremental dump
+
+AUX = [0, 1, 2]
+
+
+def dump_cfg(target, root: str) -> LifecycleConfig:
+    return parse_config({"target": {"path": str(target)}, "storage": {"root": root},
+                         "dump": {"aux_layer_ids": AUX, "max_length": 64, "tokens_per_batch": 400,
+                                  "samples_per_shard": 3, "devices": ["cpu"], "upstream": "prepare"},
+                         "train": {"draft_vocab_size": 256}})
+
+
+def put_prepared(store, fp: str, conversations: list[dict]) -> str:
+    out = StageOutput(store, "prepare", fp)
+    out.write_shard("train.jsonl", to_jsonl(conversations))
+    out.write_shard("eval.jsonl", to_jsonl([]))
+    out.commit({})
+    return fp
+
+
+def test_dump_references_earlier_shards_and_checks_them_on_read(tmp_path, tiny_target, tiny_conversations):
+    convs = [{"id": c["id"], "messages": [{"role": m["role"], "content": m["content"][:80]} for m in c["messages"][:2]]}
+             for c in tiny_conversations[:8]]
+    store = FileStore(tmp_path / "store")
+    cfg = dump_cfg(tiny_target, f"file://{tmp_path / 'store'}")
+    first = dump.run(cfg, store, upstream={"prepare": put_prepared(store, "prep1", convs[:6])})
+    assert first.meta["reuse"]["linked_shards"] == 0 and first.meta["num_shards"] == 2
+    second = dump.run(cfg, store, upstream={"prepare": put_prepared(store, "prep2", convs)})
+    reuse = second.meta["reuse"]
+    assert (reuse["linked_shards"], reuse["computed_shards"], reuse["computed_records"]) == (2, 1, 2)
+    assert reuse["earlier_outputs"] == [first.fingerprint]
+    assert all(s.source.startswith(f"dump/{first.fingerprint}/") for s in second.manifest.shards[:2])
+    samples = {s["id"]: s for s in iter_dump_samples(store, second.manifest, expect_aux_layer_ids=AUX)}
+    before = {s["id"]: s for s in iter_dump_samples(store, first.manifest, expect_aux_layer_ids=AUX)}
+    assert len(samples) == second.meta["num_samples"] and set(before) < set(samples)
+    assert all(torch.equal(samples[k]["hidden_states"], before[k]["hidden_states"]) for k in before)
+
+    # Integrity follows the references: a flipped byte in the earlier dump fails the later one's read,
+    # a deleted shard makes it incomplete (and a re-run recomputes it).
+    victim = tmp_path / "store" / second.manifest.shards[0].source
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 1
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CorruptObject, match="sha256 mismatch"):
+        list(iter_dump_samples(store, second.manifest, expect_aux_layer_ids=AUX))
+    victim.unlink()
+    assert not StageOutput(store, "dump", second.fingerprint).is_complete()
+    StageOutput(store, "dump", first.fingerprint).reset()
+    redone = dump.run(cfg, store, upstream={"prepare": "prep2"})
+    assert not redone.skipped and redone.meta["reuse"]["computed_shards"] == 3
+    assert StageOutput(store, "dump", second.fingerprint).is_complete()
+
+
+# ---- registry and the promotion rule
+
+
+def fake_export(store, fp: str, target: str) -> str:
+    out = StageOutput(store, "export", fp)
+    out.write_shard("export.json", b"{}")
+    out.commit({"export": {"target": {"fingerprint": target}}, "judge": {"accept_length": 1.5, "prompts": 4}})
+    return fp
+
+
+def test_registry_promote_rollback_and_refusals(tmp_path):
+    store = FileStore(tmp_path / "store")
+    reg = Registry(store, "t0", "demo")
+    assert reg.champion_export() is None
+    with pytest.raises(RegistryError, match="no champion yet"):
+        reg.rollback()
+    with pytest.raises(RegistryError, match="no committed export"):
+        reg.promote("missing", "why")
+    with pytest.raises(RegistryError, match="made for target t1"):
+        reg.promote(fake_export(store, "other", "t1"), "why")
+    for fp in ("e1", "e2", "e3"):
+        reg.promote(fake_export(store, fp, "t0"), f"retrain {fp}", {"accept_length": 1.5})
+    assert reg.champion_export() == "e3"
+    assert reg.rollback()["export"] == "e2" and reg.champion_export() == "e2"
+    assert reg.rollback()["export"] == "e1"
+    with pytest.raises(RegistryError, match="first one"):
+        reg.rollback()
+    history = Registry(store, "t0", "demo").history()  # what another process reads
+    assert [(e["action"], e["export"]) for e in history] == [
+        ("promote", "e1"), ("promote", "e2"), ("promote", "e3"), ("rollback", "e2"), ("rollback", "e1")]
+    assert Registry(store, "t0", "other-name").champion_export() is None  # per name
+    with pytest.raises(RegistryError, match="drafter name"):
+        Registry(store, "t0", "../x")
+
+
+def judged(pairs):
+    return {"per_prompt": [list(p) for p in pairs]}
+
+
+@pytest.mark.parametrize("challenger, promoted, why", [
+    ([(10, 9), (10, 8), (10, 9), (10, 9)], True, None),                    # clearly better everywhere
+    ([(10, 5), (10, 5), (10, 5), (10, 5)], False, "below retrain.min_improvement"),  # equal
+    ([(10, 2), (10, 2), (10, 2), (10, 2)], False, "below retrain.min_improvement"),  # worse
+    ([(10, 10), (10, 0), (10, 10), (10, 10)], False, "does not exclude zero"),       # +17% on average, noisy
+])
+def test_promotion_needs_the_gain_and_an_interval_above_zero(challenger, promoted, why):
+    champion = judged([(10, 5), (10, 5), (10, 5), (10, 5)])
+    verdict = compare(champion, judged(challenger), min_improvement=0.05, confidence=0.95, samples=2000, seed=0)
+    assert verdict["promoted"] is promoted
+    assert verdict["champion_accept_length"] == pytest.approx(1.5)
+    if why:
+        assert why in verdict["reason"]
+    low, high = verdict["interval"]
+    assert low <= verdict["difference"] <= high
