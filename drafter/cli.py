@@ -156,6 +156,17 @@ def bench(config: Path = ConfigOpt) -> None:
     _run_stage("bench", _load(config), unit="measurement", on_line=None)
 
 
+@app.command("demo-source")
+def demo_source(folder: Path = typer.Option(Path("runs/demo-source"), "--dir", help="the growing source folder"),
+                first: int = typer.Option(300, help="conversations in the first batch"),
+                batch: int = typer.Option(30, help="conversations in every later batch")) -> None:
+    """Append a batch of new ShareGPT prompts to a growing demo source folder (`make demo-retrain`)."""
+    from drafter.demo_source import append_batch
+
+    path, total = append_batch(folder, first, batch)
+    typer.echo(f"wrote {path} ({total} conversations in {folder})")
+
+
 @app.command("champion")
 def champion(config: Path = ConfigOpt) -> None:
     """Judge this configuration's export against the registry's champion; promote it only when better."""

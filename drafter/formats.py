@@ -190,3 +190,9 @@ def download_export(store: ObjectStore, manifest_or_fingerprint: Manifest | str,
 
 class ObjectNotFoundInOutput(DrafterError):
     """A committed output lacks what was asked of it (e.g. an export without the vLLM format)."""
+
+
+# ---- champion: the retrain verdict (`decision.json`) and accept length across retrains
+
+CHAMPION = "champion"
+CHAMPION_DECISION, CHAMPION_PLOT = "decision.json", "accept-length.png"

@@ -32,6 +32,17 @@ def stage_flow(stage: Stage, table: StageTable) -> Flow:
     return flow(run, name=stage.name, log_prints=True, **(REAP if stage.starts_servers else {}))
 
 
+def run_stages(table: StageTable, subflows: dict[str, Flow], cfg: LifecycleConfig, stages) -> dict[str, dict]:
+    """The target, then the selected stages in lifecycle order, each as its subflow; one summary."""
+    results: dict[str, dict] = {"target": ensure_target_task(cfg)}
+    fps = table.fingerprints(cfg)
+    for stage in table.in_order(stages):
+        results[stage.name] = subflows[stage.name](cfg, fps.upstream(stage.name))
+        fps.record(results[stage.name])
+    _summarise({k: v for k, v in results.items() if k != "target"})
+    return results
+
+
 def lifecycle_flow(table: StageTable) -> Flow:
     """The whole-lifecycle flow over `table` (tests build one over a table with an extra stage)."""
     subflows = {stage.name: stage_flow(stage, table) for stage in table.stages}
@@ -41,13 +52,7 @@ def lifecycle_flow(table: StageTable) -> Flow:
                           stages: list[StageName] = list(table.names)) -> dict:
         """Run the selected stages in lifecycle order. `config` wins over `profile` when given."""
         cfg = config if config is not None else load_config(profile)
-        results: dict[str, dict] = {"target": ensure_target_task(cfg)}
-        fps = table.fingerprints(cfg)
-        for stage in table.in_order(stages):
-            results[stage.name] = subflows[stage.name](cfg, fps.upstream(stage.name))
-            fps.record(results[stage.name])
-        _summarise({k: v for k, v in results.items() if k != "target"})
-        return results
+        return run_stages(table, subflows, cfg, stages)
 
     return flow(drafter_lifecycle, name="drafter-lifecycle", log_prints=True, **REAP)
 

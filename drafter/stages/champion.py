@@ -23,6 +23,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from drafter.config import LifecycleConfig, fingerprint_fields
+from drafter.formats import CHAMPION as STAGE
+from drafter.formats import CHAMPION_DECISION as DECISION
+from drafter.formats import CHAMPION_PLOT as PLOT
 from drafter.formats import EXPORT, PREPARE, download_export, load_prepared
 from drafter.registry import Registry
 from drafter.retrain import compare, plot_decisions
@@ -31,8 +34,6 @@ from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore, open_store
 from drafter.target_identity import target_identity
 
-STAGE = "champion"
-DECISION, PLOT = "decision.json", "accept-length.png"
 JUDGE_FIELDS = ("eval_prompts", "judge_num_steps", "judge_max_new_tokens", "judge_bucket_edges")
 
 
