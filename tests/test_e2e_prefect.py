@@ -140,3 +140,168 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
     for root in (tmp_path, Path(prefect_env["PREFECT_HOME"])):
         for path in (p for p in root.rglob("*") if p.is_file()):
             assert PLANTED.encode() not in path.read_bytes(), f"the secret is stored in {path}"
+
+
+# ---- the retrain loop: two nightly retrains on a growing source, a planted worse challenger, rollback
+
+
+def prefect_cli(env, *args, timeout=300) -> str:
+    prefect = str(ROOT / ".venv" / "bin" / "prefect") if (ROOT / ".venv").exists() else "prefect"
+    proc = subprocess.run([prefect, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def drafter_cli(*args) -> str:
+    drafter = str(ROOT / ".venv" / "bin" / "drafter") if (ROOT / ".venv").exists() else "drafter"
+    proc = subprocess.run([drafter, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def drafter_events(env) -> list[dict]:
+    """The drafter.* events the Prefect server stored (it persists them asynchronously)."""
+    import urllib.request
+
+    body = json.dumps({"filter": {"event": {"prefix": ["drafter."]}}, "limit": 50}).encode()
+    req = urllib.request.Request(env["PREFECT_API_URL"] + "/events/filter", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())["events"]
+
+
+def wait_for_events(env, count: int) -> list[dict]:
+    import time
+
+    for _ in range(60):
+        events = drafter_events(env)
+        if len(events) >= count:
+            return sorted(events, key=lambda e: e["occurred"])
+        time.sleep(0.5)
+    raise AssertionError(f"expected {count} drafter events, got {drafter_events(env)}")
+
+
+def plant_worse_challenger(store_dir: Path, champion_fp: str) -> str:
+    """A copy of the champion's export with its drafter's weights scrambled (the embedding and the
+    vocab maps kept): it loads and runs, and proposes nonsense."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from drafter.stage_output import StageOutput
+    from drafter.store import FileStore
+
+    store = FileStore(store_dir)
+    source = StageOutput.committed(store, "export", champion_fp)
+    planted = StageOutput(store, "export", "planted0worse000")
+    gen = torch.Generator().manual_seed(0)
+    for shard in source.manifest.shards:
+        data = source.read_shard(shard.name)
+        if shard.name == "sglang/model.safetensors":
+            tmp = store_dir / "planted.safetensors"
+            tmp.write_bytes(data)
+            tensors = load_file(tmp)
+            for k, v in tensors.items():
+                if v.is_floating_point() and "embed_tokens" not in k:
+                    tensors[k] = torch.randn(v.shape, generator=gen).to(v.dtype)
+            save_file(tensors, tmp)
+            data = tmp.read_bytes()
+        planted.write_shard(shard.name, data)
+    planted.commit(source.manifest.meta)
+    return planted.fingerprint
+
+
+def test_retrain_nightly_promotes_reuses_rejects_and_rolls_back(prefect_env, tiny_target, tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    write = lambda name, lo, hi: (source / name).write_text("".join(
+        json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Tell me about number {i}."}]}) + "\n"
+        for i in range(lo, hi)))
+    write("day-1.jsonl", 0, 24)
+    store = tmp_path / "store"
+    logs = tmp_path / "logs"
+    spec = {"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3}
+    profile = tmp_path / "retrain.yaml"
+    profile.write_text(yaml.safe_dump({
+        "name": "e2e-retrain",
+        "target": {"path": str(tiny_target)},
+        "data": {"sources": [{"kind": "jsonl", "path": str(source)}], "eval_fraction": 0.2},
+        "datagen": {"max_tokens": 8, "shard_size": 8},
+        "dump": {"aux_layer_ids": [0, 1, 2], "max_length": 48, "samples_per_shard": 4, "devices": ["cpu"]},
+        # ~11 steps: the tiny target's short greedy answers are learnt (accept length well above 1)
+        "train": {"init_from": "champion", "draft_vocab_size": 64, "epochs": 30, "learning_rate": 0.005,
+                  "ttt_length": 2},
+        "export": {"eval_prompts": 4, "judge_max_new_tokens": 8, "judge_num_steps": 2, "min_accept_ratio": 0.01,
+                   "min_accept_length": 1.0, "device": "cpu", "formats": ["sglang"]},
+        "retrain": {"min_improvement": 0.02, "bootstrap_samples": 500},
+        "serve": {"engine": "reference", "device": "cpu", "port": free_port(), "log_dir": str(logs),
+                  "extra_args": ["--cpu-threads", "1"], "speculative": spec, "draft_path": "champion",
+                  "startup_timeout_s": 180, "stall_timeout_s": 90},
+        "storage": {"root": f"file://{store}"},
+    }))
+    stages = '["prepare", "datagen", "dump", "train", "export", "champion", "serve"]'
+    retrain = lambda: prefect_cli(prefect_env, "deployment", "run", "drafter-retrain/retrain-nightly",
+                                  "--param", f"profile={profile}", "--param", f"stages={stages}",
+                                  "--watch", "--watch-timeout", "280")
+    manifest = lambda stage, fp: json.loads((store / stage / fp / "_SUCCESS.json").read_text())
+    decisions = lambda: sorted((json.loads(p.read_text()) for p in store.glob("champion/*/decision.json")),
+                               key=lambda d: len(d.get("champion") or ""))
+    registry = lambda: json.loads(next(store.glob("_registry/*/e2e-retrain.json")).read_text())
+
+    # Retrain 1: no champion yet, the first drafter that passes the export gate is promoted.
+    assert "Completed" in retrain()
+    (first,) = decisions()
+    assert first["challenger_accept_length"] > 1.5  # a drafter worth comparing against
+    assert first["verdict"] == "promoted" and first["champion"] is None
+    champion_1 = first["challenger"]
+    assert registry()["events"][-1]["export"] == champion_1
+    (promoted_event,) = wait_for_events(prefect_env, 1)
+    assert promoted_event["event"] == "drafter.promoted" and promoted_event["payload"]["challenger"] == champion_1
+
+    # Retrain 2: a new file; datagen asks only for its conversations, the dump references the first
+    # dump's shards, the champion is fine-tuned, and the verdict follows the figures.
+    (gen_1,) = [p.parent.name for p in store.glob("datagen/*/_SUCCESS.json")]
+    (dump_1,) = [p.parent.name for p in store.glob("dump/*/_SUCCESS.json")]
+    write("day-2.jsonl", 24, 30)
+    assert "Completed" in retrain()
+    (gen_2,) = [p.parent.name for p in store.glob("datagen/*/_SUCCESS.json") if p.parent.name != gen_1]
+    (dump_2,) = [p.parent.name for p in store.glob("dump/*/_SUCCESS.json") if p.parent.name != dump_1]
+    g2, d2 = manifest("datagen", gen_2), manifest("dump", dump_2)
+    assert g2["meta"]["reuse"]["linked_shards"] >= 1 and g2["meta"]["reuse"]["asked_conversations"] <= 6
+    assert g2["meta"]["conversations"] + g2["meta"]["eval"]["conversations"] == 30
+    referenced = [s for s in d2["shards"] if s.get("source")]
+    assert referenced and all(s["source"].startswith(f"dump/{dump_1}/") for s in referenced)
+    assert d2["meta"]["reuse"]["linked_shards"] == len(referenced) and d2["meta"]["reuse"]["computed_shards"] >= 1
+    (train_2,) = [m for m in (json.loads(p.read_text()) for p in store.glob("train/*/_SUCCESS.json"))
+                  if m["meta"]["dump_fingerprint"] == dump_2]
+    assert train_2["meta"]["init_from_champion"] == champion_1
+    second = next(d for d in decisions() if d["champion"] == champion_1)
+    better = second["relative"] >= 0.02 and second["interval"][0] > 0
+    assert second["verdict"] == ("promoted" if better else "rejected"), second
+    champion_2 = second["champion_after"]
+    assert champion_2 == (second["challenger"] if better else champion_1)
+    assert registry()["events"][-1]["export"] == champion_2
+    events = wait_for_events(prefect_env, 2)
+    assert events[-1]["event"] == f"drafter.{second['verdict']}"
+    assert events[-1]["payload"]["challenger_accept_length"] == second["challenger_accept_length"]
+
+    # A planted worse challenger is judged against the champion on the same prompts and rejected.
+    from drafter.config import load_config
+    from drafter.stages import champion as champion_stage
+    from drafter.store import FileStore
+
+    cfg = load_config(profile)
+    planted = plant_worse_challenger(store, champion_2)
+    verdict = champion_stage.run(cfg, FileStore(store), upstream={"export": planted, "prepare": second["corpus"]})
+    assert verdict.meta["verdict"] == "rejected" and verdict.meta["champion_after"] == champion_2
+    assert verdict.meta["challenger_accept_length"] < verdict.meta["champion_accept_length"]
+    assert registry()["events"][-1]["export"] == champion_2
+
+    # Promoted by hand anyway, then rolled back: the serve stage serves the champion before it.
+    drafter_cli("registry", "promote", planted, "--config", str(profile), "--reason", "e2e: a bad promotion")
+    assert drafter_cli("registry", "rollback", "--config", str(profile)).split()[3:5] == ["export", champion_2]
+    assert f"champion {champion_2}" in drafter_cli("registry", "list", "--config", str(profile))
+    prefect_cli(prefect_env, "deployment", "run", "drafter-lifecycle/serve", "--param", f"profile={profile}",
+                "--watch", "--watch-timeout", "200")
+    newest = max(logs.glob("reference-*.launch.json"), key=lambda p: p.stat().st_mtime_ns)
+    argv = json.loads(newest.read_text())["argv"]
+    assert argv[argv.index("--speculative-draft-model-path") + 1].endswith(f"export-{champion_2}")
