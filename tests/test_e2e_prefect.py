@@ -238,7 +238,7 @@ def test_retrain_nightly_promotes_reuses_rejects_and_rolls_back(prefect_env, tin
                   "startup_timeout_s": 180, "stall_timeout_s": 90},
         "storage": {"root": f"file://{store}"},
     }))
-    stages = '["prepare", "datagen", "dump", "train", "export", "champion", "serve"]'
+    stages = '["prepare", "datagen", "dump", "train", "export", "champion"]'  # serve: once, at the end
     retrain = lambda: prefect_cli(prefect_env, "deployment", "run", "drafter-retrain/retrain-nightly",
                                   "--param", f"profile={profile}", "--param", f"stages={stages}",
                                   "--watch", "--watch-timeout", "280")
