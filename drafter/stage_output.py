@@ -343,6 +343,10 @@ class StageOutput:
         info = ShardInfo(name=name, size=want.size, sha256=want.sha256,
                          meta=want.meta if meta is None else meta, source=key)
         self.store.put_bytes(self._marker_key(name), info.model_dump_json().encode())
+        # The commit does not re-hash it: `source` committed these bytes verified, and re-reading
+        # every reused shard would make a retrain's cost grow with the whole corpus again. Every
+        # read still checks the sha256, and `drafter verify` re-hashes references too.
+        self._verified.add((name, want.sha256))
         return info
 
     def _uncommit_for_repair(self) -> None:
@@ -394,8 +398,9 @@ class StageOutput:
         return manifest
 
     def _hash_problem(self, info: ShardInfo) -> str | None:
-        """Re-hash one stored shard against what was recorded; None when it matches."""
-        key = self.key(info.name)
+        """Re-hash one stored shard (a reference: where it points) against what was recorded; None
+        when it matches."""
+        key = self.data_key(info)
         try:
             self._verify(key, info, *hash_chunks(self.store.iter_chunks(key)), when="on verify")
         except CorruptObject as err:
