@@ -387,7 +387,8 @@ class ServeConfig(Strict):
                           ".venv-vllm/bin/python); default: this interpreter")
     host: str = OperationalField("127.0.0.1")
     port: int = OperationalField(30000, ge=1, le=65535)
-    draft_path: str | None = OutputField(None, description="drafter directory; default = this run's export")
+    draft_path: str | None = OutputField(None, description="drafter directory, or `champion` (the drafter "
+                                                            "registry's champion); default = this run's export")
     speculative: SpeculativeConfig | None = OutputField(None)
     tp_size: int = OutputField(1, ge=1)
     mem_fraction_static: float | None = OutputField(None, gt=0, lt=1)
@@ -649,10 +650,13 @@ def path_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
     if cfg.target.demo is None and looks_local:  # a demo target is built by `drafter demo-target`
         need("target.path", target, "directory")
     for i, src in enumerate(cfg.data.sources):
-        if src.path is not None:
-            need(f"data.sources.{i}.path", src.path, "directory" if src.kind == "hf_disk" else "file")
-    need("serve.draft_path", cfg.serve.draft_path, "directory")
-    need("train.init_from", cfg.train.init_from, "directory")
+        if src.path is not None and not src.path.startswith("s3://"):
+            # a jsonl source may be a folder of *.jsonl files (a growing source)
+            kind = "directory" if src.kind == "hf_disk" else "path" if src.kind == "jsonl" else "file"
+            need(f"data.sources.{i}.path", src.path, kind)
+    for field, value in (("serve.draft_path", cfg.serve.draft_path), ("train.init_from", cfg.train.init_from)):
+        if value != "champion":  # the drafter registry's champion, resolved when the stage runs
+            need(field, value, "directory")
     return problems
 
 

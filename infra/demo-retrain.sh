@@ -9,10 +9,10 @@ cd "$ROOT"
 PROFILE="${PROFILE:-profiles/retrain-demo.yaml}"
 SOURCE="${SOURCE:-runs/demo-source}"
 
-"$VENV/bin/drafter" config validate "$PROFILE"
-"$VENV/bin/drafter" demo-target --config "$PROFILE"
 echo "== a new batch of prompts"
 "$VENV/bin/drafter" demo-source --dir "$SOURCE" --first "${FIRST:-300}" --batch "${BATCH:-30}"
+"$VENV/bin/drafter" config validate "$PROFILE"
+"$VENV/bin/drafter" demo-target --config "$PROFILE"
 
 started_here=0
 if [ ! -f "$RUN_DIR/server.pid" ]; then started_here=1; fi

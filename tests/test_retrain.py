@@ -216,3 +216,15 @@ def test_promotion_needs_the_gain_and_an_interval_above_zero(challenger, promote
         assert why in verdict["reason"]
     low, high = verdict["interval"]
     assert low <= verdict["difference"] <= high
+
+
+def test_validate_accepts_champion_and_a_source_folder(tmp_path):
+    from drafter.config import path_problems
+
+    (tmp_path / "prompts").mkdir()
+    cfg = parse_config({"target": {"path": str(tmp_path)}, "train": {"init_from": "champion", "draft_vocab_size": 8},
+                        "serve": {"draft_path": "champion"},
+                        "data": {"sources": [{"kind": "jsonl", "path": str(tmp_path / "prompts")},
+                                             {"kind": "jsonl", "path": "s3://bucket/incoming"},
+                                             {"kind": "jsonl", "path": str(tmp_path / "missing")}]}})
+    assert [field for field, _ in path_problems(cfg)] == ["data.sources.2.path"]
