@@ -349,6 +349,13 @@ class StageOutput:
         self._verified.add((name, want.sha256))
         return info
 
+    def drop_shard(self, name: str) -> None:
+        """Remove a shard of an unfinished output (its marker first, then its own bytes; a
+        reference's bytes belong to another output and stay)."""
+        self._check_name(name)
+        self.store.delete(self._marker_key(name))
+        self.store.delete(self.key(name))
+
     def _uncommit_for_repair(self) -> None:
         """Writing into a committed output: refuse if it is complete (that needs reset()); if the
         commit is broken (missing shard, bad manifest) remove the manifest first, so the output is

@@ -145,6 +145,11 @@ def test_dump_references_earlier_shards_and_checks_them_on_read(tmp_path, tiny_t
     before = {s["id"]: s for s in iter_dump_samples(store, first.manifest, expect_aux_layer_ids=AUX)}
     assert len(samples) == second.meta["num_samples"] and set(before) < set(samples)
     assert all(torch.equal(samples[k]["hidden_states"], before[k]["hidden_states"]) for k in before)
+    from drafter.training.data import fetch_verified  # the trainer's reader follows references too
+
+    linked_name = second.manifest.shards[0].name
+    assert fetch_verified(StageOutput.committed(store, "dump", second.fingerprint), linked_name,
+                          tmp_path / "x.safetensors").read_bytes() == (tmp_path / "store" / second.manifest.shards[0].source).read_bytes()
 
     # Integrity follows the references: a flipped byte in the earlier dump fails the later one's read,
     # a deleted shard makes it incomplete (and a re-run recomputes it).

@@ -339,7 +339,7 @@ def _drop_unplanned(out: StageOutput, done: dict[str, ShardInfo], plan: dict[str
     keep |= {name.replace("gen-", "errors-", 1) for name in keep}
     for name in done:
         if name not in keep:
-            out.store.delete(out.key(name))
+            out.drop_shard(name)
     _drop_stale_errors(out, done, todo)
 
 

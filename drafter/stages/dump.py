@@ -444,7 +444,7 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     digests = {(split, i): reuse.records_digest(pieces[split][i]) for split, i in jobs}
     done = out.completed_shards()
     for name in set(done) - {shard_name(i, split) for split, i in jobs}:
-        store.delete(out.key(name))  # a killed attempt planned with other pieces: never commit it
+        out.drop_shard(name)  # a killed attempt planned with other pieces: never commit it
     # A shard counts as done only when it was computed from this plan's records.
     pending = [(split, i) for split, i in jobs
                if shard_name(i, split) not in done

@@ -139,7 +139,7 @@ def fetch_verified(out: StageOutput, name: str, dest: Path) -> Path:
     read_concurrency x read_range_bytes) and hashed in order as the ranges arrive (no second
     pass). Raises CorruptObject naming the object."""
     info = out.manifest.shard(name)
-    key = out.key(name)
+    key = out.data_key(info)  # a referenced shard (an incremental dump): where its bytes are
     local = out.store.local_path(key)
     if local is not None:
         try:
