@@ -170,6 +170,16 @@ def drafter_events(env) -> list[dict]:
         return json.loads(resp.read())["events"]
 
 
+def artifacts(env, key: str) -> list[dict]:
+    import urllib.request
+
+    req = urllib.request.Request(env["PREFECT_API_URL"] + "/artifacts/filter",
+                                 data=json.dumps({"artifacts": {"key": {"any_": [key]}}}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
 def wait_for_events(env, count: int) -> list[dict]:
     import time
 
@@ -283,6 +293,11 @@ def test_retrain_nightly_promotes_reuses_rejects_and_rolls_back(prefect_env, tin
     events = wait_for_events(prefect_env, 2)
     assert events[-1]["event"] == f"drafter.{second['verdict']}"
     assert events[-1]["payload"]["challenger_accept_length"] == second["challenger_accept_length"]
+    # The champion-vs-challenger table and the accept length across the two retrains (plot + table).
+    table = artifacts(prefect_env, "champion-summary")[-1]["data"]
+    assert {row["figure"] for row in table} >= {"export", "offline accept length", "verdict"}
+    plot = artifacts(prefect_env, "accept-length-across-retrains")[-1]["data"]
+    assert "data:image/png;base64," in plot and plot.count(f"| {second['verdict']} |") >= 1
 
     # A planted worse challenger is judged against the champion on the same prompts and rejected.
     from drafter.config import load_config

@@ -129,10 +129,10 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
     fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-"
     summary = [f"{d['verdict']}: {d['reason']}", f"champion now: export {d['champion_after']} "
                                                    f"(registry {d['registry']})"]
-    table = [{"": "export", "champion": d.get("champion") or "-", "challenger": d["challenger"]},
-             {"": "offline accept length", "champion": fmt(d.get("champion_accept_length")),
+    table = [{"figure": "export", "champion": d.get("champion") or "-", "challenger": d["challenger"]},
+             {"figure": "offline accept length", "champion": fmt(d.get("champion_accept_length")),
               "challenger": fmt(d.get("challenger_accept_length"))},
-             {"": "verdict", "champion": "kept" if d["verdict"] != "promoted" else "replaced",
+             {"figure": "verdict", "champion": "kept" if d["verdict"] != "promoted" else "replaced",
               "challenger": d["verdict"]},
-             {"": "why", "champion": "", "challenger": d["reason"]}]
+             {"figure": "why", "champion": "", "challenger": d["reason"]}]
     return StageResult.committed(out.manifest, out.uri, skipped, summary, table)
