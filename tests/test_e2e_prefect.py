@@ -177,7 +177,11 @@ def artifacts(env, key: str) -> list[dict]:
                                  data=json.dumps({"artifacts": {"key": {"any_": [key]}}}).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.loads(resp.read())
+        found = sorted(json.loads(resp.read()), key=lambda a: a["created"])  # oldest first
+    for art in found:  # a table artifact's data is its JSON text
+        if isinstance(art["data"], str) and art["type"] == "table":
+            art["data"] = json.loads(art["data"])
+    return found
 
 
 def wait_for_events(env, count: int) -> list[dict]:
