@@ -68,6 +68,7 @@ def test_settings_read_back_match_and_layer_ids_are_checked_against_the_installe
     s = served.settings
     assert (s["algorithm"], s["num_steps"], s["eagle_topk"], s["num_draft_tokens"]) == ("EAGLE3", 3, 1, 4)
     assert check_speculative_settings(cfg.serve.speculative, s, str(vllm_dir)) == []
+    assert s["version"] == "0.32.0" and s["served_models"] == [cfg.target.served_name]
     layers = session.layer_ids
     assert layers["checked"] and layers["engine_version"] == "0.32.0" and layers["version_source"].startswith("installed")
     assert layers["aux_layer_ids"] == AUX and layers["ids"] == [2, 3, 4]

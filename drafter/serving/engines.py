@@ -561,7 +561,10 @@ class VLLMEngine(Engine):
             metrics = client.get("/metrics")
             if metrics.status_code == 200:
                 out["spec_decode_metrics"] = vllm_spec_counters(metrics.text)["present"]
-        except httpx.HTTPError:
+            version = client.get("/version")
+            if version.status_code == 200:
+                out["version"] = version.json().get("version")
+        except (httpx.HTTPError, ValueError):
             pass
         return out
 
