@@ -69,8 +69,10 @@ LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwe
               "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Glm4MoeLiteForCausalLM")
 DEEPSEEK_V2 = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK2ForCausalLM",
                "KimiK25ForConditionalGeneration")
-# vLLM: llama.py appends the state after layer idx as id idx + 1; deepseek_v2.py before layer idx.
-VLLM_PLUS_ONE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM") + DEEPSEEK_V2
+# vLLM 0.32 (read in the wheel): llama.py (Mistral subclasses it), qwen2.py (Qwen3 reuses it) and
+# qwen3_moe.py append the state after layer idx as id idx + 1; deepseek_v2.py appends it before layer idx.
+VLLM_PLUS_ONE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "Qwen3MoeForCausalLM") + DEEPSEEK_V2
 
 
 @dataclass(frozen=True)
