@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -176,10 +177,17 @@ def test_sigterm_writes_a_checkpoint_and_stops(tmp_path):
     store = FileStore(tmp_path / "store")
     make_dump(store, tmp_path)
     proc = _child(_spec(tmp_path, target, "term", delay_per_log_s=0.3, train={"epochs": 6, "save_every_steps": 1000}))
-    time.sleep(4.0)  # imports, vocab count, a few steps (each log sleeps 0.3 s)
-    assert proc.poll() is None
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=60)[0]
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.time() + 120  # imports and the vocab count take long on a busy machine
+    while not any(ln.startswith("progress ") for ln in list(lines)):
+        assert proc.poll() is None and time.time() < deadline, "".join(lines)
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # training has logged a step: the handler is installed
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    out = "".join(lines)
     assert proc.returncode != 0 and "TrainingInterrupted" in out, out
     steps = ckpt.list_checkpoints(store, "resume-run")
     assert len(steps) == 1 and 0 < steps[0]  # written at the step it stopped (no periodic save)
