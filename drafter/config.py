@@ -651,9 +651,9 @@ def path_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
         need("target.path", target, "directory")
     for i, src in enumerate(cfg.data.sources):
         if src.path is not None and not src.path.startswith("s3://"):
-            # a jsonl source may be a folder of *.jsonl files (a growing source)
-            kind = "directory" if src.kind == "hf_disk" else "path" if src.kind == "jsonl" else "file"
-            need(f"data.sources.{i}.path", src.path, kind)
+            if src.kind == "jsonl" and Path(src.path).expanduser().is_dir():
+                continue  # a folder of *.jsonl files: a growing source
+            need(f"data.sources.{i}.path", src.path, "directory" if src.kind == "hf_disk" else "file")
     for field, value in (("serve.draft_path", cfg.serve.draft_path), ("train.init_from", cfg.train.init_from)):
         if value != "champion":  # the drafter registry's champion, resolved when the stage runs
             need(field, value, "directory")
