@@ -137,7 +137,7 @@ def bench_run(path: Path, conversations: list[dict], args, storage: str) -> dict
         "dump": {"upstream": "prepare", "aux_layer_ids": aux_ids(num_layers), "max_length": args.max_length,
                  "tokens_per_batch": args.tokens_per_batch, "samples_per_shard": args.samples_per_shard,
                  "devices": args.devices, "storage_dtype": storage, "upload_threads": args.upload_threads,
-                 "upload_queue": args.upload_queue}})
+                 "upload_queue": args.upload_queue, "tokenize_processes": args.tokenize_processes}})
     samples = conversations[:args.samples]
     store, remove = open_bench_store(args, storage)
     try:
@@ -250,6 +250,7 @@ def main() -> None:
                         choices=["model", "float8_e4m3"])
     parser.add_argument("--upload-threads", type=int, default=2)
     parser.add_argument("--upload-queue", type=int, default=1)
+    parser.add_argument("--tokenize-processes", type=int, default=0, help="dump.tokenize_processes")
     parser.add_argument("--store-dir", help="directory of the file:// store (default: system temp dir)")
     parser.add_argument("--s3-endpoint", help="dump to this S3 server instead (e.g. a local MinIO or moto)")
     parser.add_argument("--s3-bucket", default="bench-dump")
