@@ -62,7 +62,8 @@ def test_a_secret_reaches_the_server_and_no_file_we_write(tmp_path, monkeypatch)
         assert PLANTED.encode() not in path.read_bytes(), path
         assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
     launch = json.loads(next((tmp_path / "logs").glob("*.launch.json")).read_text())
-    assert launch["env_from_config"] == {"HF_TOKEN": MASK, "NCCL_ALGO": "Ring"}
+    # NCCL_NVLS_ENABLE=0 is our own GPU-host default (drafter/launch_env.py), safe to show
+    assert launch["env_from_config"] == {"HF_TOKEN": MASK, "NCCL_ALGO": "Ring", "NCCL_NVLS_ENABLE": "0"}
     assert launch["argv"][-2:] == ["--api-key", MASK]
 
 

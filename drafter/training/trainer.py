@@ -427,6 +427,7 @@ def _finish(model, opt, d, tc, rows, out_dir, ckpt_uri, step, resumed_from, voca
         "eval_dump": eval_reader.manifest.fingerprint if eval_reader else None,
         "world_size": d.world, "parallel": tc.parallel if d.active else "single",
         "final_train": last("train"), "final_eval": last("eval"),
+        "reader": train_reader.stats(),  # bytes fetched and the share of time spent waiting for data
     }
     return TrainResult(drafter_dir=drafter_dir, checkpoint_uri=ckpt_uri, metrics_path=metrics_path,
                        curves_path=curves_path, meta=meta)
