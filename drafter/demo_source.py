@@ -15,7 +15,7 @@ def append_batch(folder: str | Path, first: int, batch: int) -> tuple[Path, int]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     existing = sorted(folder.glob("batch-*.jsonl"))
-    have = sum(1 for f in existing for line in f.read_text().splitlines() if line.strip())
+    have = sum(f.read_bytes().count(b"\n") for f in existing)  # one conversation per line
     want = first if not existing else batch
     rows = load_sharegpt(have + want)[have:]
     path = folder / f"batch-{len(existing):04d}.jsonl"

@@ -472,6 +472,11 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
     if t.get("requests"):
         summary.append(f"{t['requests_per_s']:.2f} req/s, {t['tokens_per_s']:.1f} tok/s this run "
                        f"({', '.join(s['url'] for s in t.get('servers') or [])})")
+    r = meta.get("reuse") or {}
+    if r.get("linked_shards") or r.get("copied_conversations"):
+        summary.append(f"reused from earlier outputs: {r['linked_shards']} shards referenced "
+                       f"({r['linked_conversations']} conversations), {r['copied_conversations']} answers copied; "
+                       f"{r['asked_conversations']} conversations asked")
     rows = [{"metric": k, "value": str(meta[k])} for k in (
         "conversations", "generated", "errors", "errors_by_reason", "turns", "completion_tokens",
         "finish_reasons", "shards", "resumed_shards")]

@@ -480,6 +480,10 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
     summary = [f"{meta['num_samples']} samples, {meta['num_tokens']} tokens ({meta['num_loss_tokens']} with loss), "
                f"{q['total']} quarantined {q['by_reason'] or ''}; {meta['bytes_per_token']:.0f} bytes/token; "
                f"storage: {meta['storage_projection']}"]
+    r = meta.get("reuse") or {}
+    if r.get("linked_shards"):
+        summary.append(f"reused from earlier dumps: {r['linked_shards']} shards referenced ({r['linked_records']} "
+                       f"records); computed {r['computed_shards']} shards ({r['computed_records']} records)")
     if meta.get("eval"):
         summary.append(f"held out (eval split): {meta['eval']['num_samples']} samples, "
                        f"{meta['eval']['num_tokens']} tokens in {meta['eval']['num_shards']} shards")
