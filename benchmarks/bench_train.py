@@ -157,6 +157,16 @@ def profile(a) -> None:
                       "device_ms_per_step": round(dev_total, 1), "kernels_per_step": n_kernels}))
 
 
+def full_head(head: TargetHead) -> torch.Tensor:
+    """The target lm_head in target-id order, rebuilt from its draft / other rows."""
+    return torch.cat([head.draft_rows, head.rest_rows])[torch.argsort(torch.cat([head.draft_ids, head.rest_ids]))]
+
+
+def max_rel_err(xs, ys) -> float:
+    """The worst ||x - y|| / ||y|| over pairs of tensors (y the reference)."""
+    return max(float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-12)) for x, y in zip(xs, ys))
+
+
 def exactness(a) -> dict:
     """Fast path vs the dense reference on a small shape: fp32 (math attention) and bf16 (flash)."""
     out = {}
@@ -169,7 +179,7 @@ def exactness(a) -> dict:
                       "flash" if device.type == "cuda" else "math", True))
     for dtype, attention, comp in cases:
         model, head, embed = build(small, device, dtype)
-        head_full = torch.cat([head.draft_rows, head.rest_rows])[torch.argsort(torch.cat([head.draft_ids, head.rest_ids]))]
+        head_full = full_head(head)
         gen = torch.Generator().manual_seed(1)
         mb = batch(small, device, dtype, gen, lens=[230, 170, 199])
         si = prepare(mb, embed, head, small.ttt, device, dtype)
@@ -177,7 +187,7 @@ def exactness(a) -> dict:
         gf = torch.autograd.grad(lf, list(model.parameters()))
         ld = dense_ttt_loss(model, mb, embed, head_full, model.t2d, small.ttt, 0.8, float(si.T))
         gd = torch.autograd.grad(ld, list(model.parameters()))
-        rel = max(float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-12)) for x, y in zip(gf, gd))
+        rel = max_rel_err(gf, gd)
         key = f"{str(dtype).removeprefix('torch.')}_{attention}" + ("_compile" if comp else "")
         tol_loss, tol_grad = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 5e-2)
         lf, ld = float(lf.detach()), float(ld.detach())
@@ -186,7 +196,7 @@ def exactness(a) -> dict:
     if device.type == "cuda":  # the fixed-shape step replayed as a CUDA graph, against dense and eager
         for comp in (False, True):
             model, head, embed = build(small, device, torch.bfloat16)
-            head_full = torch.cat([head.draft_rows, head.rest_rows])[torch.argsort(torch.cat([head.draft_ids, head.rest_ids]))]
+            head_full = full_head(head)
             mb = batch(small, device, torch.bfloat16, torch.Generator().manual_seed(1), lens=[230, 170, 199])
             params = list(model.parameters())
             sb = plan_static(mb, small.ttt, 0.8, float(mb.num_tokens), 640, embed=embed)
@@ -202,11 +212,9 @@ def exactness(a) -> dict:
             ge = torch.autograd.grad(le, params)
             ld = dense_ttt_loss(model, mb, embed, head_full, model.t2d, small.ttt, 0.8, float(mb.num_tokens))
             gd = torch.autograd.grad(ld, params)
-            rel = lambda xs, ys: max(float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-12))
-                                     for x, y in zip(xs, ys))
             res = {"loss_graph": lg, "loss_eager_static": float(le), "loss_dense": float(ld),
-                   "loss_rel_err": abs(lg - float(ld)) / abs(float(ld)), "grad_max_rel_err": rel(gg, gd),
-                   "graph_vs_eager_static_grad_max_rel_err": rel(gg, ge)}
+                   "loss_rel_err": abs(lg - float(ld)) / abs(float(ld)), "grad_max_rel_err": max_rel_err(gg, gd),
+                   "graph_vs_eager_static_grad_max_rel_err": max_rel_err(gg, ge)}
             res["pass"] = res["loss_rel_err"] < 2e-2 and res["grad_max_rel_err"] < 5e-2
             out["bfloat16_flash_cuda_graph" + ("_compile" if comp else "")] = res
             del le, ld, ge, gd, graphed
@@ -243,8 +251,8 @@ def trainer_graphs_check() -> dict:
                 rows = [json.loads(x) for x in r.metrics_path.read_text().splitlines()]
                 got[graphs] = (rows, load_file(str(r.drafter_dir / "model.safetensors")))
             (ra, wa), (rb, wb) = got[False], got[True]
-            rel = max(float((wa[k].float() - wb[k].float()).norm() / wa[k].float().norm().clamp_min(1e-12))
-                      for k in wa if wa[k].is_floating_point())
+            keys = [k for k in wa if wa[k].is_floating_point()]
+            rel = max_rel_err([wb[k] for k in keys], [wa[k] for k in keys])
             la, lb = ra[-1]["loss"][0], rb[-1]["loss"][0]
             out[f"trainer_{dtype}_cuda_graphs"] = {"final_eval_loss0_plain": la, "final_eval_loss0_graphs": lb,
                                                    "weights_max_rel_err": rel,

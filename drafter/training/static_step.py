@@ -31,7 +31,8 @@ from drafter.model import Eagle3Drafter
 from drafter.training.attention import DocLayout, ttt_attention
 from drafter.training.teacher import TargetHead, linear_soft_cross_entropy
 from drafter.training.ttt import (MicroBatch, _after_attention, _final_norm, _first_step_inputs, _fn,
-                                  _next_step_inputs, doc_positions, embed_next, step_stats)
+                                  _next_step_inputs, doc_positions, embed_next, step_loss_mask,
+                                  step_stats)
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +102,9 @@ def plan_static(mb: MicroBatch, K: int, decay: float, norm: float, tokens: int, 
     n = mb.num_tokens
     T = _round_up(max(tokens, n), row_multiple)
     doc, pos, dlen = doc_positions(mb.doc_lens)
-    lm = mb.loss_mask.cpu().bool() & (pos != dlen - 1)   # a document's last token has no teacher
     ks = torch.arange(K)[:, None]
-    t = torch.arange(n)
-    valid = pos[None] + ks < dlen[None]                  # t + k inside t's document
     lmk = torch.zeros(K, T, dtype=torch.bool)
-    lmk[:, :n] = valid & lm[torch.where(valid, t[None] + ks, t[None])]
+    lmk[:, :n] = step_loss_mask(mb.loss_mask.cpu(), pos, dlen, K)[2]
     active = lmk.any(0)
     s_real = active.nonzero().flatten()
     R = min(T, bucket_rows(s_real.numel(), row_multiple))

@@ -93,6 +93,19 @@ def embed_next(mb: MicroBatch, embed: torch.Tensor) -> torch.Tensor:
     return embed[next_token_ids(mb).to(embed.device)]
 
 
+def step_loss_mask(loss_mask: torch.Tensor, pos: torch.Tensor, dlen: torch.Tensor,
+                   K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lm [T], v [K, T], lm_k [K, T]): the loss mask with each document's last token cleared (it
+    has no teacher); v = t + k, the position whose mask and teacher step k at t uses (t itself
+    when t + k leaves t's document); lm_k = lm[v] where t + k is inside the document."""
+    lm = loss_mask.bool() & (pos != dlen - 1)
+    t = torch.arange(pos.numel(), device=pos.device)
+    ks = torch.arange(K, device=pos.device)[:, None]
+    valid = pos[None] + ks < dlen[None]
+    v = torch.where(valid, t[None] + ks, t[None])
+    return lm, v, valid & lm[v]
+
+
 def prepare(mb: MicroBatch, embed: torch.Tensor | None, head: TargetHead, K: int, device, dtype,
             e_next: torch.Tensor | None = None) -> StepInputs:
     """Clear each document's last loss position, run the teacher where it is used and lay out the
@@ -103,8 +116,7 @@ def prepare(mb: MicroBatch, embed: torch.Tensor | None, head: TargetHead, K: int
     ids = mb.input_ids.to(device)
     T = ids.numel()
     doc, pos, dlen = doc_positions(mb.doc_lens, device)
-    last = pos == dlen - 1
-    lm = mb.loss_mask.to(device).bool() & ~last
+    lm, v, lmk = step_loss_mask(mb.loss_mask.to(device), pos, dlen, K)
     lm_idx = lm.nonzero().flatten()
     teacher = head(mb.final.to(device)[lm_idx + 1])
     row_of = (torch.cumsum(lm.long(), 0) - 1).clamp_min(0)
@@ -112,11 +124,6 @@ def prepare(mb: MicroBatch, embed: torch.Tensor | None, head: TargetHead, K: int
     tid = torch.zeros(T, dtype=torch.int64, device=device)
     ind[lm_idx] = teacher.in_draft
     tid[lm_idx] = teacher.target_id
-    t = torch.arange(T, device=device)
-    ks = torch.arange(K, device=device)[:, None]
-    valid = pos[None] + ks < dlen[None]                        # [K, T]: t + k inside the document
-    v = torch.where(valid, t[None] + ks, t[None])
-    lmk = valid & lm[v]
     pm = lmk & ind[v]
     active = pm.flip(0).cumsum(0).flip(0) > 0
     lens = torch.tensor([0] + list(mb.doc_lens), dtype=torch.int64)
