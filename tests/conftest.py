@@ -1,6 +1,8 @@
 import os
 import tempfile
 
+import pytest
+
 # Nothing in the test suite may reach a model hub or phone home.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -11,3 +13,16 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DRAFTER_CACHE_DIR", tempfile.mkdtemp(prefix="drafter-cache-"))
 
 pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.targets"]
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Tiny models: op dispatch dominates, and intra-op threads only add barrier waits (20x slower
+    on a busy 2-core machine). Restored afterwards for other modules. Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_cpu_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

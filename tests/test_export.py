@@ -33,12 +33,7 @@ AUX = [0, 1, 2]
 ACC = [0.95, 0.1, 0.05]  # what "training" predicted: 1 + 0.95 + 0.095 + 0.00475 = 2.04975 at 3 steps
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,7 @@ SGLANG_KEYS = {
     "midlayer.post_attention_layernorm.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads only add barrier waits
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def small_config(**kw) -> Eagle3DraftConfig:

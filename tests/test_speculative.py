@@ -16,14 +16,7 @@ from drafter.serving.speculative import SamplingParams, SpeculativeEngine, accep
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Tiny models: op dispatch dominates, and intra-op threads only add barrier waits (20x slower
-    on a busy 2-core machine). Restored afterwards for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 # ----------------------------------------------------------------------------- crafted models

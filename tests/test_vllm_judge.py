@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from drafter.config import parse_config
 from drafter.export.judge import JudgedTooLow, check, judge_export, prompts_from_conversations
@@ -22,12 +21,7 @@ from tests.fixtures.vllm_env import vllm_py, vllm_serve_section  # noqa: F401  (
 JUDGE = dict(eval_prompts=4, judge_max_new_tokens=40, judge_num_steps=3, device="cpu", judge_bucket_edges=[8, 16, 32])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _cfg(target, python, tmp, **export_section):
