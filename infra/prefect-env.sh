@@ -14,3 +14,20 @@ RUN_DIR="$PREFECT_HOME/run"
 POOL="${DRAFTER_WORK_POOL:-drafter-local}"
 mkdir -p "$RUN_DIR"
 export PREFECT_LOGGING_EXTRA_LOGGERS="${PREFECT_LOGGING_EXTRA_LOGGERS:-drafter}"  # library warnings (storage retries, reaped servers) in the run log
+
+# The demo scripts' common part: start the local server + worker unless one runs (stopped again when
+# the calling script exits, if we started it), run deployment $1 with $PROFILE, watch it, and print
+# the stage lines of its log. $2: the log file's name under $RUN_DIR.
+run_deployment() {
+  local deployment="$1" run_log="$RUN_DIR/$2" run_id
+  started_here=0
+  if [ ! -f "$RUN_DIR/server.pid" ]; then started_here=1; fi
+  trap 'if [ "$started_here" = 1 ]; then "$ROOT/infra/prefect-down.sh"; fi' EXIT
+  echo "== local Prefect server and worker"
+  "$ROOT/infra/prefect-up.sh"
+  echo "== prefect deployment run $deployment --watch"
+  "$PREFECT" deployment run "$deployment" --param "profile=$PROFILE" --watch | tee "$run_log"
+  run_id=$(grep -oE 'prefect\.flow-run\.[0-9a-f-]{36}' "$run_log" | head -1 | sed 's/prefect\.flow-run\.//')
+  echo "== stages (from the flow run's log)"
+  "$PREFECT" flow-run logs "$run_id" 2>/dev/null | grep -oE 'stage [a-z]+(:| \|) .*' || echo "(see the Prefect UI for run $run_id)"
+}
