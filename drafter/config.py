@@ -480,6 +480,10 @@ class RetrainConfig(Strict):
     confidence: float = OutputField(0.95, gt=0, lt=1, description="level of the interval of the difference")
     bootstrap_samples: int = OutputField(2000, ge=100, description="paired bootstrap resamples over prompts")
     seed: int = OutputField(0)
+    bench: bool = OutputField(
+        False, description="before the verdict, bench the challenger and the champion against the baseline in "
+                           "one interleaved sweep (the bench section's settings); a challenger measurably "
+                           "slower than the champion, or one whose server fails, is rejected")
 
 
 class StorageConfig(Strict):
@@ -571,6 +575,9 @@ def cross_field_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
                          f"{cfg.train.nproc_per_node} processes split each step's "
                          f"{cfg.train.micro_batches_per_step} micro-batches: set train.micro_batches_per_step "
                          f">= {cfg.train.nproc_per_node} (a multiple keeps the global batch per process equal)"))
+    if cfg.retrain.bench and not cfg.bench.speculative:
+        problems.append(("retrain.bench", "needs bench.speculative: the settings the challenger and the champion "
+                                          "are benched at"))
     if vocab is not None and cfg.train.draft_vocab_size > vocab:
         problems.append(("train.draft_vocab_size",
                          f"{cfg.train.draft_vocab_size} exceeds the target vocab ({vocab})"))

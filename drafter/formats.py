@@ -195,4 +195,5 @@ class ObjectNotFoundInOutput(DrafterError):
 # ---- champion: the retrain verdict (`decision.json`) and accept length across retrains
 
 CHAMPION = "champion"
+BENCH, BENCH_REPORT = "bench", "report.json"  # the bench stage's report (the champion stage reads its head-to-head)
 CHAMPION_DECISION, CHAMPION_PLOT = "decision.json", "accept-length.png"

@@ -91,6 +91,22 @@ class Registry:
                                 f"run a retrain or `drafter registry promote EXPORT`")
         return champ
 
+    def opponent(self, challenger: str) -> str | None:
+        """The champion `challenger` is judged and benched against: the current champion, or, when
+        `challenger` already is the champion, the one its promotion replaced (None if it was the
+        first). So a re-run of a retrain that promoted finds the same pair (the same fingerprints)
+        and skips, instead of judging the champion against itself."""
+        events = self.load()["events"]
+        if not events:
+            return None
+        current = events[-1]
+        if current["export"] != challenger:
+            return current["export"]
+        promoted = next((e for e in reversed(events) if e["action"] == "promote" and e["export"] == challenger), None)
+        if promoted is None or promoted["previous"] is None:
+            return None
+        return events[promoted["previous"]]["export"]
+
     def history(self) -> list[dict]:
         return self.load()["events"]
 

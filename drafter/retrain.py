@@ -6,10 +6,23 @@ which records verifies and accepted drafts per prompt). The figure is the offlin
 bootstrap over prompts (a prompt keeps its champion and challenger figures together, so an easy
 prompt helps both). The challenger is promoted only when its gain is at least `min_improvement` of
 the champion's accept length AND the interval of the difference lies above zero.
+
+With `retrain.bench` the bench stage has also served both drafters at the bench settings, in one
+interleaved sweep with the baseline (`bench_verdict` reads its report): its figures go into the
+decision, and it can veto a promotion the offline judgement allowed, when the challenger's server
+failed or the challenger is measurably SLOWER than the champion (challenger / champion throughput
+interval below 1, at a batch size whose baseline did not drift). It never promotes on its own:
+throughput on a shared machine is noisier than accept length on the same prompts.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from drafter.errors import DrafterError
+
+
+class RetrainError(DrafterError):
+    """The inputs of a verdict do not belong together (a bench of another pair). Never retried."""
 
 
 def _accept_length(per_prompt: np.ndarray) -> np.ndarray:
@@ -45,6 +58,50 @@ def compare(champion: dict, challenger: dict, *, min_improvement: float, confide
             "champion_accept_length": al_h, "challenger_accept_length": al_c, "difference": diff,
             "relative": rel, "interval": [low, high], "confidence": confidence, "prompts": len(h),
             "min_improvement": min_improvement}
+
+
+def bench_verdict(report: dict, challenger: str, champion: str | None) -> dict:
+    """The head-to-head bench's figures per setting and batch size, and the problems that veto a
+    promotion. `report`: the bench stage's report.json; it must have benched exactly this pair."""
+    expected = {"challenger": challenger, **({"champion": champion} if champion else {})}
+    if report.get("drafters") != expected:
+        raise RetrainError(f"the bench benched {report.get('drafters')}, not challenger {challenger} against "
+                           f"champion {champion}: run the bench stage with retrain.bench for this pair")
+    drift = report["summary"]["drift"]
+    unstable = {int(bs) for bs, d in drift.items() if d["unstable"]}
+    speedups = {(r["key"], r["batch_size"]): r.get("speedup") for r in report["summary"]["rows"]}
+    problems = [f"the challenger's server failed at {f['config']} ({f['kind']})"
+                for key, f in sorted(report["failures"].items()) if key.startswith("challenger-")]
+    notes = [f"the champion's server failed at {f['config']} ({f['kind']})"
+             for key, f in sorted(report["failures"].items()) if key.startswith("champion-")]
+    rows = []
+    for p in report.get("head_to_head") or []:
+        ratio, bs = p["ratio"], p["batch_size"]
+        mean = lambda entry: entry["mean"] if entry else None
+        row = {"setting": p["setting"], "batch_size": bs, "rounds": p["rounds"],
+               "challenger_over_champion": ratio["speedup"] if ratio else None,
+               "interval": [ratio["low"], ratio["high"]] if ratio else None,
+               "verdict": ratio["verdict"] if ratio else None,
+               "challenger_accept_length": mean(p["accept_length"]["challenger"]),
+               "champion_accept_length": mean(p["accept_length"]["champion"]),
+               "challenger_speedup": (speedups.get((p["challenger_key"], bs)) or {}).get("speedup"),
+               "champion_speedup": (speedups.get((p["champion_key"], bs)) or {}).get("speedup")}
+        rows.append(row)
+        if ratio and ratio["verdict"] == "slower":
+            what = (f"challenger at {ratio['speedup']:.2f}x the champion's throughput [{ratio['low']:.2f}, "
+                    f"{ratio['high']:.2f}] at {p['setting']}, batch {bs}")
+            if bs in unstable:
+                notes.append(f"{what}, not used: the baseline drifted at batch {bs}")
+            else:
+                problems.append(f"{what}: measurably slower")
+    if champion and not rows:
+        notes.append("no setting was measured with both drafters")
+    if not champion:  # the first drafter: its figures against the baseline only
+        rows = [{"setting": r["config"], "batch_size": r["batch_size"], "rounds": r["rounds"],
+                 "challenger_speedup": (r.get("speedup") or {}).get("speedup"),
+                 "challenger_accept_length": (r.get("accept_length") or {}).get("mean")}
+                for r in report["summary"]["rows"] if r["key"].startswith("challenger-")]
+    return {"rows": rows, "problems": problems, "notes": notes}
 
 
 def plot_decisions(decisions: list[dict]) -> bytes:

@@ -30,7 +30,7 @@ def publish_verdict(cfg: LifecycleConfig, champion_result: dict) -> dict | None:
         payload = {k: decision.get(k) for k in (
             "verdict", "reason", "challenger", "champion", "champion_after", "champion_accept_length",
             "challenger_accept_length", "difference", "relative", "interval", "prompts", "min_improvement",
-            "corpus", "registry")}
+            "corpus", "registry", "bench")}
         emitted = emit_event(event=event, payload=payload,
                              resource={"prefect.resource.id": f"drafter.registry.{decision['target']}.{decision['drafter']}",
                                        "prefect.resource.name": decision["drafter"]},

@@ -167,7 +167,7 @@ S224 = {"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 4}
 
 def test_plan_one_server_per_distinct_config_baseline_first():
     cfg = _cfg("sglang", [S314, S224, S314, {}])
-    plan = plan_sweep(cfg, "/d")
+    plan = plan_sweep(cfg, {"": "/d"})
     assert [s.key for s in plan.servers] == [BASELINE, "eagle3-s3-k1-d4", "eagle3-s2-k2-d4", "eagle3-auto"]
     assert plan.batch_sizes == [1, 4] and plan.rounds == 3
     assert [(s.label, "duplicate" in s.reason) for s in plan.skipped] == [
@@ -181,15 +181,70 @@ def test_plan_one_server_per_distinct_config_baseline_first():
 
 
 def test_plan_skips_combinations_the_engine_cannot_run():
-    ref = plan_sweep(_cfg("reference", [S314, S224], device="cpu"), "/d")
+    ref = plan_sweep(_cfg("reference", [S314, S224], device="cpu"), {"": "/d"})
     assert [s.key for s in ref.servers] == [BASELINE, "eagle3-s3-k1-d4"]
     assert "eagle_topk must be 1" in ref.skipped[0].reason and "reference" in ref.skipped[0].reason
     assert ref.interleave == "concurrent"
-    vllm = plan_sweep(_cfg("vllm", [S224, S314]), "/d")
+    vllm = plan_sweep(_cfg("vllm", [S224, S314]), {"": "/d"})
     assert [s.key for s in vllm.servers] == [BASELINE, "eagle3-s3-k1-d4"]
     assert "vllm" in vllm.skipped[0].reason and "chain" in vllm.skipped[0].reason
-    none = plan_sweep(_cfg("reference", [S314]), None)
+    none = plan_sweep(_cfg("reference", [S314]), {})
     assert [s.key for s in none.servers] == [BASELINE] and "no drafter" in none.skipped[0].reason
+
+
+def test_head_to_head_plan_serves_every_setting_with_both_drafters():
+    cfg = _cfg("reference", [S314, {"num_steps": 1, "eagle_topk": 1, "num_draft_tokens": 2}], device="cpu")
+    plan = plan_sweep(cfg, {"challenger": "/new", "champion": "/old"})
+    assert [(s.key, s.drafter, s.draft_path) for s in plan.servers] == [
+        (BASELINE, "", None), ("challenger-eagle3-s3-k1-d4", "challenger", "/new"),
+        ("champion-eagle3-s3-k1-d4", "champion", "/old"), ("challenger-eagle3-s1-k1-d2", "challenger", "/new"),
+        ("champion-eagle3-s1-k1-d2", "champion", "/old")]
+    assert plan.servers[2].label == "champion EAGLE3 3/1/4"
+    assert plan.head_to_head_pairs() == [("EAGLE3 3/1/4", "challenger-eagle3-s3-k1-d4", "champion-eagle3-s3-k1-d4"),
+                                         ("EAGLE3 1/1/2", "challenger-eagle3-s1-k1-d2", "champion-eagle3-s1-k1-d2")]
+    assert server_config(cfg, plan.servers[2], port=31002).serve.draft_path == "/old"
+    assert server_config(cfg, plan.servers[0]).serve.draft_path is None
+    alone = plan_sweep(cfg, {"challenger": "/new"})  # the first retrain: no champion yet
+    assert [s.key for s in alone.servers][1:] == ["challenger-eagle3-s3-k1-d4", "challenger-eagle3-s1-k1-d2"]
+    assert alone.head_to_head_pairs() == []
+
+
+def test_head_to_head_ratio_pairs_rounds_and_a_slower_challenger_is_a_veto():
+    from drafter.bench.stats import head_to_head
+    from drafter.retrain import RetrainError, bench_verdict
+
+    def m(key, r, tp, al):
+        return {"key": key, "batch_size": 1, "round": r, "output_tok_s": tp, "accept_length": al}
+
+    ch, cp = "challenger-eagle3-s3-k1-d4", "champion-eagle3-s3-k1-d4"
+    # the challenger is ~20% slower in every round; round 2 of the champion is missing: 2 pairs
+    ms = [m(ch, 0, 80.0, 1.8), m(ch, 1, 82.0, 1.8), m(ch, 2, 79.0, 1.8), m(cp, 0, 100.0, 2.4), m(cp, 1, 101.0, 2.4)]
+    (row,) = head_to_head(ms, [("EAGLE3 3/1/4", ch, cp)], [1], confidence=0.95, samples=500)
+    assert row["rounds"] == 2 and row["ratio"]["speedup"] == pytest.approx(162 / 201)
+    assert row["accept_length"]["challenger"]["mean"] == pytest.approx(1.8)
+    assert row["accept_length"]["champion"]["n"] == 2
+    ms.append(m(cp, 2, 99.0, 2.4))
+    (row,) = head_to_head(ms, [("EAGLE3 3/1/4", ch, cp)], [1], confidence=0.95, samples=500)
+    assert row["ratio"]["verdict"] == "slower" and row["ratio"]["high"] < 1
+    report = {"drafters": {"challenger": "new", "champion": "old"}, "failures": {}, "head_to_head": [row],
+              "summary": {"drift": {"1": {"unstable": False}},
+                          "rows": [{"key": ch, "batch_size": 1, "speedup": {"speedup": 0.9}},
+                                   {"key": cp, "batch_size": 1, "speedup": {"speedup": 1.1}}]}}
+    verdict = bench_verdict(report, "new", "old")
+    assert len(verdict["problems"]) == 1 and "measurably slower" in verdict["problems"][0]
+    assert verdict["rows"][0]["challenger_speedup"] == 0.9 and verdict["rows"][0]["champion_accept_length"] == 2.4
+    # a drifting machine's comparison is reported, not used
+    drifting = {**report, "summary": {**report["summary"], "drift": {"1": {"unstable": True}}}}
+    assert bench_verdict(drifting, "new", "old")["problems"] == []
+    assert "drifted" in bench_verdict(drifting, "new", "old")["notes"][0]
+    # a challenger whose server failed is a veto; the champion's is a note
+    failed = {**report, "head_to_head": [], "failures": {ch: {"config": "challenger EAGLE3 3/1/4", "kind": "crashed"},
+                                                          cp: {"config": "champion EAGLE3 3/1/4", "kind": "stalled"}}}
+    got = bench_verdict(failed, "new", "old")
+    assert got["problems"] == ["the challenger's server failed at challenger EAGLE3 3/1/4 (crashed)"]
+    assert "champion's server failed" in got["notes"][0]
+    with pytest.raises(RetrainError, match="not challenger new against champion other"):
+        bench_verdict(report, "new", "other")
 
 
 def test_sglang_rules_are_refused_at_config_time():
@@ -201,10 +256,10 @@ def test_sglang_rules_are_refused_at_config_time():
 
 def test_server_config_per_server():
     cfg = _cfg("command", [S314])
-    plan = plan_sweep(cfg, "/drafts/d")
-    base = server_config(cfg, plan.servers[0], "/drafts/d", port=31000)
+    plan = plan_sweep(cfg, {"": "/drafts/d"})
+    base = server_config(cfg, plan.servers[0], port=31000)
     assert base.serve.speculative is None and base.serve.draft_path is None and base.serve.command == cfg.serve.command
-    spec = server_config(cfg, plan.servers[1], "/drafts/d", port=31001)
+    spec = server_config(cfg, plan.servers[1], port=31001)
     assert spec.serve.port == 31001 and spec.serve.health_url == "http://127.0.0.1:31001/health"
     assert spec.serve.speculative == SpeculativeConfig(**S314) and spec.serve.draft_path == "/drafts/d"
     assert spec.serve.command[-10:] == ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",

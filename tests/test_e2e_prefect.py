@@ -246,13 +246,16 @@ def test_retrain_nightly_promotes_reuses_rejects_and_rolls_back(prefect_env, tin
                   "ttt_length": 2},
         "export": {"eval_prompts": 4, "judge_max_new_tokens": 8, "judge_num_steps": 2, "min_accept_ratio": 0.01,
                    "min_accept_length": 1.0, "device": "cpu", "formats": ["sglang"]},
-        "retrain": {"min_improvement": 0.02, "bootstrap_samples": 500},
+        # the challenger and the champion benched against the baseline before every verdict
+        "retrain": {"min_improvement": 0.02, "bootstrap_samples": 500, "bench": True},
+        "bench": {"speculative": [spec], "num_prompts": 3, "max_tokens": 8, "repeats": 2, "warmup_requests": 1,
+                  "bootstrap_samples": 200},
         "serve": {"engine": "reference", "device": "cpu", "port": free_port(), "log_dir": str(logs),
                   "extra_args": ["--cpu-threads", "1"], "speculative": spec, "draft_path": "champion",
                   "startup_timeout_s": 180, "stall_timeout_s": 90},
         "storage": {"root": f"file://{store}"},
     }))
-    stages = '["prepare", "datagen", "dump", "train", "export", "champion"]'  # serve: once, at the end
+    stages = '["prepare", "datagen", "dump", "train", "export", "bench", "champion"]'  # serve: once, at the end
     retrain = lambda: prefect_cli(prefect_env, "deployment", "run", "drafter-retrain/retrain-nightly",
                                   "--param", f"profile={profile}", "--param", f"stages={stages}",
                                   "--watch", "--watch-timeout", "280")
@@ -267,6 +270,8 @@ def test_retrain_nightly_promotes_reuses_rejects_and_rolls_back(prefect_env, tin
     assert first["challenger_accept_length"] > 1.5  # a drafter worth comparing against
     assert first["verdict"] == "promoted" and first["champion"] is None
     champion_1 = first["challenger"]
+    (alone,) = first["bench"]["rows"]  # no champion yet: the challenger against the baseline only
+    assert alone["challenger_accept_length"] > 1.0 and alone["challenger_speedup"] > 0
     assert registry()["events"][-1]["export"] == champion_1
     (promoted_event,) = wait_for_events(prefect_env, 1)
     assert promoted_event["event"] == "drafter.promoted" and promoted_event["payload"]["challenger"] == champion_1
@@ -297,22 +302,37 @@ def test_retrain_nightly_promotes_reuses_rejects_and_rolls_back(prefect_env, tin
     events = wait_for_events(prefect_env, 2)
     assert events[-1]["event"] == f"drafter.{second['verdict']}"
     assert events[-1]["payload"]["challenger_accept_length"] == second["challenger_accept_length"]
+    # ... and benched side by side with the champion it faced, in one sweep with the baseline
+    (versus,) = second["bench"]["rows"]
+    assert versus["rounds"] == 2 and versus["challenger_over_champion"] > 0 and versus["champion_accept_length"] > 1.0
+    assert events[-1]["payload"]["bench"]["rows"] == second["bench"]["rows"]
+    bench_2 = json.loads((store / "bench" / second["bench"]["fingerprint"] / "report.json").read_text())
+    assert bench_2["drafters"] == {"challenger": second["challenger"], "champion": champion_1}
+    assert {m["key"] for m in map(json.loads, map(Path.read_text, (store / "bench" / second["bench"]["fingerprint"])
+                                                  .glob("m/*/bs0001/r000.json")))} == {
+        "baseline", "challenger-eagle3-s2-k1-d3", "champion-eagle3-s2-k1-d3"}
     # The champion-vs-challenger table and the accept length across the two retrains (plot + table).
     table = artifacts(prefect_env, "champion-summary")[-1]["data"]
-    assert {row["figure"] for row in table} >= {"export", "offline accept length", "verdict"}
+    assert {row["figure"] for row in table} >= {"export", "offline accept length", "verdict",
+                                                "bench EAGLE3 2/1/3 @ batch 1: challenger / champion throughput"}
     plot = artifacts(prefect_env, "accept-length-across-retrains")[-1]["data"]
     assert "data:image/png;base64," in plot and plot.count(f"| {second['verdict']} |") >= 1
 
     # A planted worse challenger is judged against the champion on the same prompts and rejected.
     from drafter.config import load_config
+    from drafter.stages import bench as bench_stage
     from drafter.stages import champion as champion_stage
     from drafter.store import FileStore
 
     cfg = load_config(profile)
     planted = plant_worse_challenger(store, champion_2)
-    verdict = champion_stage.run(cfg, FileStore(store), upstream={"export": planted, "prepare": second["corpus"]})
+    upstream = {"export": planted, "prepare": second["corpus"]}
+    benched = bench_stage.run(cfg, FileStore(store), upstream=upstream)
+    verdict = champion_stage.run(cfg, FileStore(store), upstream={**upstream, "bench": benched.fingerprint})
     assert verdict.meta["verdict"] == "rejected" and verdict.meta["champion_after"] == champion_2
     assert verdict.meta["challenger_accept_length"] < verdict.meta["champion_accept_length"]
+    (versus,) = verdict.meta["bench"]["rows"]  # the served drafters say the same: nonsense is not accepted
+    assert versus["challenger_accept_length"] < versus["champion_accept_length"]
     assert registry()["events"][-1]["export"] == champion_2
 
     # Promoted by hand anyway, then rolled back: the serve stage serves the champion before it.

@@ -187,9 +187,12 @@ def test_registry_promote_rollback_and_refusals(tmp_path):
         reg.promote("missing", "why")
     with pytest.raises(RegistryError, match="made for target t1"):
         reg.promote(fake_export(store, "other", "t1"), "why")
+    assert reg.opponent("e1") is None
     for fp in ("e1", "e2", "e3"):
         reg.promote(fake_export(store, fp, "t0"), f"retrain {fp}", {"accept_length": 1.5})
     assert reg.champion_export() == "e3"
+    # who a challenger faces: the champion, or the one it replaced when it already is the champion
+    assert reg.opponent("e9") == "e3" and reg.opponent("e3") == "e2"
     assert reg.rollback()["export"] == "e2" and reg.champion_export() == "e2"
     assert reg.rollback()["export"] == "e1"
     with pytest.raises(RegistryError, match="first one"):
@@ -233,3 +236,58 @@ def test_validate_accepts_champion_and_a_source_folder(tmp_path):
                                              {"kind": "jsonl", "path": "s3://bucket/incoming"},
                                              {"kind": "jsonl", "path": str(tmp_path / "missing")}]}})
     assert [field for field, _ in path_problems(cfg)] == ["data.sources.2.path"]
+
+
+def test_retrain_bench_needs_settings_and_puts_the_bench_before_the_verdict(tmp_path):
+    from drafter.config import ConfigError
+    from drafter.stages import TABLE
+
+    base = {"target": {"path": str(tmp_path)}, "train": {"draft_vocab_size": 8}, "retrain": {"bench": True}}
+    with pytest.raises(ConfigError, match="retrain.bench: needs bench.speculative"):
+        parse_config(base)
+    cfg = parse_config({**base, "serve": {"draft_path": "champion"},
+                        "bench": {"speculative": [{"num_steps": 1, "eagle_topk": 1, "num_draft_tokens": 2}]}})
+    assert TABLE["bench"].upstream_of(cfg) == ("prepare", "export")  # the challenger, whatever serve loads
+    assert TABLE["champion"].upstream_of(cfg) == ("export", "prepare", "bench")
+    assert TABLE.names.index("bench") < TABLE.names.index("champion") < TABLE.names.index("serve")
+    plain = parse_config({**base, "retrain": {}})
+    assert TABLE["champion"].upstream_of(plain) == ("export", "prepare")
+
+
+def test_champion_stage_a_failed_bench_vetoes_even_the_first_drafter(tmp_path):
+    """The champion stage with `retrain.bench`: the bench's figures go into the decision, and a
+    challenger whose server failed in the bench is not promoted although it passed the export gate."""
+    from drafter.stages import champion as champion_stage
+
+    store_dir = tmp_path / "store"
+    cfg = parse_config({"name": "veto", "target": {"path": str(tmp_path / "target"), "revision": "r1"},
+                        "train": {"draft_vocab_size": 8}, "retrain": {"bench": True},
+                        "bench": {"speculative": [{"num_steps": 1, "eagle_topk": 1, "num_draft_tokens": 2}]},
+                        "storage": {"root": f"file://{store_dir}"}})
+    store = FileStore(store_dir)
+    reg = Registry.for_config(cfg, store)
+    fake_export(store, "e1", reg.target)
+
+    def bench(fp: str, failures: dict) -> str:
+        out = StageOutput(store, "bench", fp)
+        rows = [{"key": "challenger-eagle3-s1-k1-d2", "config": "challenger EAGLE3 1/1/2", "batch_size": 1,
+                 "rounds": 2, "speedup": {"speedup": 0.8}, "accept_length": {"mean": 1.4}}]
+        out.write_shard("report.json", json.dumps({
+            "drafters": {"challenger": "e1"}, "failures": failures, "head_to_head": [],
+            "summary": {"drift": {"1": {"unstable": False}}, "rows": rows}}))
+        out.write_shard("report.md", "# Bench report\n")
+        out.commit({})
+        return fp
+
+    crashed = {"challenger-eagle3-s1-k1-d2": {"config": "challenger EAGLE3 1/1/2", "kind": "crashed"}}
+    vetoed = champion_stage.run(cfg, store, upstream={"export": "e1", "prepare": "p1", "bench": bench("b1", crashed)})
+    assert vetoed.meta["verdict"] == "rejected" and "the challenger's server failed" in vetoed.meta["reason"]
+    assert reg.champion_export() is None and reg.decisions()[-1]["bench"]["problems"]
+    fine = champion_stage.run(cfg, store, upstream={"export": "e1", "prepare": "p1", "bench": bench("b2", {})})
+    assert fine.meta["verdict"] == "promoted" and reg.champion_export() == "e1"
+    assert fine.meta["bench"]["rows"] == [{"setting": "challenger EAGLE3 1/1/2", "batch_size": 1, "rounds": 2,
+                                           "challenger_speedup": 0.8, "challenger_accept_length": 1.4}]
+    assert any("speedup vs baseline" in row["figure"] for row in fine.table)
+    # the re-run finds the same pair (the challenger now faces the champion it replaced: none) and skips
+    again = champion_stage.run(cfg, store, upstream={"export": "e1", "prepare": "p1", "bench": "b2"})
+    assert again.skipped and again.meta["verdict"] == "promoted"

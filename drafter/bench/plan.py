@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -37,10 +38,14 @@ STREAMING = {"sglang": True, "vllm": True, "reference": False, "command": False}
 
 @dataclass(frozen=True)
 class ServerPlan:
-    """One server configuration: the baseline (`speculative` None) or one speculative setting."""
+    """One server configuration: the baseline (`speculative` None) or one speculative setting with
+    one drafter. `drafter` names the drafter's role in a head-to-head sweep (`challenger`,
+    `champion`); it is empty in a sweep of one drafter."""
 
     key: str
     speculative: SpeculativeConfig | None
+    drafter: str = ""
+    draft_path: str | None = None
 
     @property
     def is_baseline(self) -> bool:
@@ -48,7 +53,7 @@ class ServerPlan:
 
     @property
     def label(self) -> str:
-        return describe(self.speculative)
+        return f"{self.drafter} {describe(self.speculative)}" if self.drafter else describe(self.speculative)
 
 
 @dataclass(frozen=True)
@@ -80,10 +85,16 @@ class SweepPlan:
         k = round_index % n
         return self.servers[k:] + self.servers[:k]
 
+    def head_to_head_pairs(self) -> list[tuple[str, str, str]]:
+        """(setting, challenger key, champion key) for every setting both drafters are served at."""
+        by = {(s.drafter, server_key(s.speculative)): s.key for s in self.servers if s.drafter}
+        return [(describe(s.speculative), s.key, by[("champion", server_key(s.speculative))])
+                for s in self.servers if s.drafter == "challenger" and ("champion", server_key(s.speculative)) in by]
+
     def to_dict(self) -> dict:
         return {"engine": self.engine, "interleave": self.interleave, "rounds": self.rounds,
                 "batch_sizes": list(self.batch_sizes),
-                "servers": [{"key": s.key, "config": s.label,
+                "servers": [{"key": s.key, "config": s.label, "drafter": s.drafter or None,
                              "speculative": s.speculative.model_dump(mode="json") if s.speculative else None}
                             for s in self.servers],
                 "skipped": [s.to_dict() for s in self.skipped]}
@@ -124,15 +135,18 @@ def engine_problem(cfg: LifecycleConfig, spec: SpeculativeConfig, draft_path: st
         return (f"the reference engine drafts a chain: eagle_topk must be 1, got {spec.eagle_topk} "
                 f"(its server would exit at start)")
     try:  # a dry build of the command line: the engine's own refusals (vLLM has no topk > 1)
-        make_engine(engine).build_launch(server_config(cfg, ServerPlan(server_key(spec), spec), draft_path),
+        make_engine(engine).build_launch(server_config(cfg, ServerPlan(server_key(spec), spec, draft_path=draft_path)),
                                          draft_path)
     except ServerConfigError as err:
         return err.message
     return None
 
 
-def plan_sweep(cfg: LifecycleConfig, draft_path: str | None) -> SweepPlan:
-    """The baseline plus every runnable, distinct `bench.speculative` setting."""
+def plan_sweep(cfg: LifecycleConfig, drafters: Mapping[str, str]) -> SweepPlan:
+    """The baseline plus every runnable, distinct `bench.speculative` setting, once per drafter.
+
+    `drafters`: role -> drafter directory; `{"": path}` for a sweep of one drafter, `{"challenger":
+    ..., "champion": ...}` for a head-to-head (keys `challenger-eagle3-s3-k1-d4`, ...), `{}` for none."""
     servers = [ServerPlan(BASELINE, None)]
     skipped: list[Skipped] = []
     seen: dict[str, int] = {}
@@ -141,15 +155,15 @@ def plan_sweep(cfg: LifecycleConfig, draft_path: str | None) -> SweepPlan:
         if key in seen:
             skipped.append(Skipped(label, f"duplicate of bench.speculative.{seen[key]}: one server serves both"))
             continue
-        if draft_path is None:
+        if not drafters:
             skipped.append(Skipped(label, "no drafter (no export and no serve.draft_path)"))
             continue
-        problem = engine_problem(cfg, spec, draft_path)
+        problem = engine_problem(cfg, spec, next(iter(drafters.values())))
         if problem is not None:
             skipped.append(Skipped(label, f"not valid for engine {cfg.serve.engine!r}: {problem}"))
             continue
         seen[key] = i
-        servers.append(ServerPlan(key, spec))
+        servers += [ServerPlan(f"{role}-{key}" if role else key, spec, role, path) for role, path in drafters.items()]
     return SweepPlan(engine=cfg.serve.engine, servers=servers, batch_sizes=list(cfg.bench.batch_sizes),
                      rounds=cfg.bench.repeats, interleave=resolve_interleave(cfg), skipped=skipped)
 
@@ -163,8 +177,7 @@ def _with_port(url: str, old: int, new: int) -> str:
     return urlunsplit(parts._replace(netloc=f"{host}:{new}"))
 
 
-def server_config(cfg: LifecycleConfig, server: ServerPlan, draft_path: str | None,
-                  port: int | None = None) -> LifecycleConfig:
+def server_config(cfg: LifecycleConfig, server: ServerPlan, port: int | None = None) -> LifecycleConfig:
     """The configuration one server of the sweep is launched with: `serve.speculative` and
     `serve.draft_path` set for a speculative server (cleared for the baseline), on `port`.
 
@@ -172,7 +185,8 @@ def server_config(cfg: LifecycleConfig, server: ServerPlan, draft_path: str | No
     (`--speculative-algorithm ... --speculative-num-steps ...`, as the reference engine takes them)
     are appended to `serve.command`, so the command must accept them."""
     s = cfg.serve
-    update: dict = {"speculative": server.speculative, "draft_path": None if server.is_baseline else draft_path}
+    draft_path = None if server.is_baseline else server.draft_path
+    update: dict = {"speculative": server.speculative, "draft_path": draft_path}
     if port is not None and port != s.port:
         update["port"] = port
         if s.health_url:

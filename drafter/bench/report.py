@@ -86,8 +86,24 @@ def interleave_note(mode: str, servers: int, rounds: int) -> str:
             f"the accelerator. Every measurement is on a fresh server after the warm-up requests.")
 
 
+def _versus(ratio: dict | None) -> str:
+    if not ratio:
+        return "not measured"
+    return ratio["verdict"] if ratio["verdict"] not in ("faster", "slower") else f"challenger {ratio['verdict']}"
+
+
+def head_to_head_rows(pairs: Sequence[dict]) -> list[dict[str, Any]]:
+    """The challenger-vs-champion table: one plain dict per (setting, batch size)."""
+    return [{"setting": p["setting"], "batch": p["batch_size"], "rounds": p["rounds"],
+             "challenger / champion tok/s [CI]": _speedup(p["ratio"]),
+             "verdict": _versus(p["ratio"]),
+             "accept length challenger": _ci(p["accept_length"]["challenger"], "{:.2f}"),
+             "accept length champion": _ci(p["accept_length"]["champion"], "{:.2f}")} for p in pairs]
+
+
 def markdown(summary: dict, rows: Sequence[dict], *, plan: dict, failures: dict[str, dict],
-             launches: Sequence[dict], hardware: dict, settings: dict, notes: Sequence[str] = ()) -> str:
+             launches: Sequence[dict], hardware: dict, settings: dict, notes: Sequence[str] = (),
+             head_to_head: Sequence[dict] = ()) -> str:
     b = settings
     parts = ["# Bench report", "",
              f"Engine `{plan['engine']}`, {b['num_prompts']} held-out prompts, {b['max_tokens']} new tokens "
@@ -102,6 +118,10 @@ def markdown(summary: dict, rows: Sequence[dict], *, plan: dict, failures: dict[
     parts += ["Speedup: config / baseline output tokens/s over paired rounds; interval: paired-round "
               "bootstrap widened to the paired t interval of the log ratios. Break-even accept: the "
               "accept length needed to match the baseline (verify-cycle time / baseline step time).", ""]
+    if head_to_head:
+        parts += ["## Challenger vs champion", "", markdown_table(head_to_head_rows(head_to_head)),
+                  "Challenger / champion: output tokens/s at the same setting over paired rounds, the same "
+                  "interval as the speedup (the champion in the baseline's place).", ""]
     parts += ["## Baseline drift", ""]
     for bs, d in summary["drift"].items():
         if d["relative_change"] is None:

@@ -12,7 +12,9 @@ tok/s" was a fresh-boot artifact). Every figure here comes with an interval:
 - `verdict`: faster / slower / no measurable difference (the interval contains 1.0);
 - `baseline_drift`: first vs last baseline rounds, flagging a machine whose speed moved;
 - `break_even_accept_length`: the accept length a configuration needs to match the baseline,
-  from measured costs: its verify-cycle time over the baseline's per-token step time.
+  from measured costs: its verify-cycle time over the baseline's per-token step time;
+- `head_to_head`: challenger / champion output tokens/s over paired rounds, the same interval, per
+  speculative setting and batch size (a retrain's bench: drafter.stages.champion reads it).
 """
 from __future__ import annotations
 
@@ -265,3 +267,27 @@ def summarize(measurements: Sequence[dict], servers: Sequence[tuple[str, str]], 
         else:
             recommend[bs] = {"key": None, "text": "keep the baseline: no configuration is significantly faster"}
     return {"rows": rows, "drift": drift, "recommendation": recommend}
+
+
+def head_to_head(measurements: Sequence[dict], pairs: Sequence[tuple[str, str, str]], batch_sizes: Sequence[int],
+                 *, confidence: float, samples: int = 5000, seed: int = 0) -> list[dict]:
+    """One row per (setting, batch size): the challenger's throughput over the champion's at the
+    same speculative setting, over the rounds both measured (`paired_speedup`, the champion in
+    the baseline's place), with both servers' accept lengths. `pairs`: (setting label,
+    challenger key, champion key)."""
+    by: dict[tuple[str, int], dict[int, dict]] = {}
+    for m in measurements:
+        by.setdefault((m["key"], m["batch_size"]), {})[m["round"]] = m
+    rows = []
+    for label, challenger, champion in pairs:
+        for bs in batch_sizes:
+            c, h = by.get((challenger, bs), {}), by.get((champion, bs), {})
+            paired = sorted(set(c) & set(h))
+            ratio = paired_speedup([h[r]["output_tok_s"] for r in paired], [c[r]["output_tok_s"] for r in paired],
+                                   confidence, samples, seed).to_dict() if paired else None
+            accept = {who: (ci.to_dict() if (ci := mean_ci([m.get("accept_length") for m in side.values()],
+                                                          confidence)) else None)
+                      for who, side in (("challenger", c), ("champion", h))}
+            rows.append({"setting": label, "batch_size": bs, "challenger_key": challenger, "champion_key": champion,
+                         "rounds": len(paired), "ratio": ratio, "accept_length": accept})
+    return rows

@@ -125,11 +125,11 @@ class Sweep:
     """One sweep over `plan`, writing into `out`. `session_options` go to every ServerSession
     (tests shorten poll intervals); `on_line` receives every server log line."""
 
-    def __init__(self, cfg: LifecycleConfig, out: StageOutput, plan: SweepPlan, prompts: Sequence[Prompt],
-                 draft_path: str | None, *, on_line: Callable[[str], None] | None = None,
-                 progress: Progress | None = None, session_options: dict | None = None):
+    def __init__(self, cfg: LifecycleConfig, out: StageOutput, plan: SweepPlan, prompts: Sequence[Prompt], *,
+                 on_line: Callable[[str], None] | None = None, progress: Progress | None = None,
+                 session_options: dict | None = None):
         self.cfg, self.out, self.plan, self.prompts = cfg, out, plan, list(prompts)
-        self.draft_path, self.on_line = draft_path, on_line
+        self.on_line = on_line
         self.progress = guarded_progress(progress, "bench")
         self.session_options = dict(session_options or {})
         done = out.completed_shards()
@@ -177,8 +177,8 @@ class Sweep:
     # ---- launching
     def launch(self, server: ServerPlan, stack: ExitStack) -> tuple[ServedServer, ClientApi, str] | None:
         """Start `server` inside `stack`; None (failure recorded) when it does not start."""
-        cfg = server_config(self.cfg, server, self.draft_path, self._port(server))
-        session = ServerSession(cfg, draft_path=None if server.is_baseline else self.draft_path,
+        cfg = server_config(self.cfg, server, self._port(server))
+        session = ServerSession(cfg, draft_path=cfg.serve.draft_path,
                                 target_only=server.is_baseline, strict_settings=True, on_line=self.on_line,
                                 **self.session_options)
         started = time.time()
@@ -196,7 +196,8 @@ class Sweep:
         except (OSError, ValueError):
             launch_env = None
         api = client_api(cfg, served)
-        record = {"key": server.key, "config": server.label, "launch": n, "port": cfg.serve.port,
+        record = {"key": server.key, "config": server.label, "drafter": server.drafter or None,
+                  "draft_path": cfg.serve.draft_path, "launch": n, "port": cfg.serve.port,
                   "started_at": started, "seconds_to_ready": served.seconds_to_ready,
                   "settings": served.settings, "settings_mismatch": served.settings_mismatch,
                   "engine": served.engine, "engine_version": _engine_version(cfg, served),
@@ -226,6 +227,7 @@ class Sweep:
                                                           "log_path": str(served.log_path)})
             return False
         record = {"key": server.key, "config": server.label, "baseline": server.is_baseline,
+                  "drafter": server.drafter or None,
                   "round": round_index, "launch": launch, **result}
         name = measurement_name(server.key, batch_size, round_index)
         self.out.write_shard(name, _dumps(record), meta={"key": server.key, "batch_size": batch_size,

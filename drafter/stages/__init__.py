@@ -51,17 +51,20 @@ STAGES: tuple[Stage, ...] = (
           upstream=("dump",)),
     Stage("export", "drafter.stages.export", "write the SGLang and vLLM formats, check them, judge the "
                                              "accept length offline", upstream=("train", "prepare")),
+    # With `retrain.bench` a head-to-head of this run's export and the champion, read by `champion`;
+    # otherwise this run's export unless the profile names a drafter directory (or `champion`).
+    Stage("bench", "drafter.stages.bench", "sweep speculative settings against the baseline, interleaved, "
+                                           "with confidence intervals", starts_servers=True, retries=2,
+          upstream=lambda cfg: ("prepare", "export") if cfg.retrain.bench or (cfg.bench.speculative and
+                                                                             not cfg.serve.draft_path)
+          else ("prepare",)),
     Stage("champion", "drafter.stages.champion", "judge this run's export against the registry's champion on "
                                                  "the same held-out prompts; promote it only when better",
-          upstream=("export", "prepare")),
+          upstream=lambda cfg: ("export", "prepare", "bench") if cfg.retrain.bench else ("export", "prepare")),
     # This run's export, unless the profile names a drafter directory (or `champion`) or serves the target alone.
     Stage("serve", "drafter.stages.serve", "start the server, gate it on a real generation, read its "
                                            "settings back, stop it", starts_servers=True, retries=2,
           upstream=lambda cfg: ("export",) if cfg.serve.speculative is not None and not cfg.serve.draft_path else ()),
-    Stage("bench", "drafter.stages.bench", "sweep speculative settings against the baseline, interleaved, "
-                                           "with confidence intervals", starts_servers=True, retries=2,
-          upstream=lambda cfg: ("prepare", "export") if cfg.bench.speculative and not cfg.serve.draft_path
-          else ("prepare",)),
 )
 
 

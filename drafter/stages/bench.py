@@ -6,10 +6,15 @@ user turn, through the target's chat template when it has one) and `export` (its
 drafter, shards `sglang/config.json` + `sglang/model.safetensors`, downloaded into a directory
 named after the export fingerprint) unless `serve.draft_path` names a drafter directory.
 
+With `retrain.bench` the sweep is a head-to-head: every setting is served twice, with this run's
+export (the challenger) and with the registry's champion it faces (Registry.opponent), and the
+report adds challenger / champion throughput over paired rounds (`head_to_head`), which the
+`champion` stage reads before its verdict. Without a champion yet, only the challenger is benched.
+
 Output (`bench/<fingerprint>/`): one shard per measurement, launch and failure (see
 drafter.bench.sweep), then `report.md`, `report.json` and `report.png`, committed last. Measurements
 are not bitwise reproducible; the fingerprint names what the sweep IS (bench section, the serve
-settings that change the server, target, drafter identity, prompts), so a re-run resumes it and a
+settings that change the server, target, drafter identities, prompts), so a re-run resumes it and a
 changed sweep lands in a new output.
 """
 from __future__ import annotations
@@ -21,8 +26,8 @@ from pathlib import Path
 
 from drafter.bench import BenchError
 from drafter.bench.plan import BASELINE, SweepPlan, plan_sweep
-from drafter.bench.report import markdown, plot_png, table_rows
-from drafter.bench.stats import summarize
+from drafter.bench.report import head_to_head_rows, markdown, plot_png, table_rows
+from drafter.bench.stats import head_to_head, summarize
 from drafter.bench.sweep import Sweep, hardware
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.formats import EXPORT, PREPARE, load_prepared
@@ -41,9 +46,21 @@ REPORT_SHARDS = ("report.md", "report.json", "report.png")
 _SERVE_NOT_IDENTITY = {"speculative", "draft_path"}
 
 
+def head_to_head_exports(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> dict[str, str]:
+    """`retrain.bench`: the challenger (this run's export) and the champion it faces
+    (Registry.opponent, the same one the champion stage judges it against), when there is one."""
+    challenger = upstream.get(EXPORT)
+    if not challenger:
+        raise BenchError("retrain.bench benches this run's export against the champion: no export upstream")
+    opponent = Registry.for_config(cfg, open_store(cfg.storage)).opponent(challenger)
+    return {"challenger": challenger, **({"champion": opponent} if opponent else {})}
+
+
 def _drafter_identity(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> dict | None:
     if not cfg.bench.speculative:
         return None  # a baseline-only sweep needs no drafter
+    if cfg.retrain.bench:
+        return head_to_head_exports(cfg, upstream)
     if cfg.serve.draft_path == CHAMPION:  # the export that is champion now
         return {"export": Registry.for_config(cfg, open_store(cfg.storage)).require_champion()}
     if cfg.serve.draft_path:
@@ -69,12 +86,15 @@ def output(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]
     return StageOutput(store, STAGE, fingerprint(cfg, upstream))
 
 
-def drafter_path(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> str | None:
-    """The drafter every speculative server of the sweep loads (None for a baseline-only sweep)."""
-    if not cfg.bench.speculative:
-        return None
-    _drafter_identity(cfg, upstream)  # names what is missing
-    return serve_stage.draft_path(cfg, store, upstream)
+def drafter_paths(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> dict[str, str]:
+    """The drafters the sweep's speculative servers load, by role: `{"": dir}` for one drafter,
+    `{"challenger": dir, "champion": dir}` with `retrain.bench`, `{}` for a baseline-only sweep."""
+    identity = _drafter_identity(cfg, upstream)  # names what is missing
+    if identity is None:
+        return {}
+    if cfg.retrain.bench:
+        return {role: serve_stage.export_dir(cfg, store, fp) for role, fp in identity.items()}
+    return {"": serve_stage.draft_path(cfg, store, upstream)}
 
 
 def build_prompts(cfg: LifecycleConfig, conversations: list[dict]) -> tuple[list, str]:
@@ -108,6 +128,8 @@ def _result(out: StageOutput, report: dict, skipped: bool) -> StageResult:
     summary = [f"{r['config']} @ batch {r['batch']}: {r['output tok/s']} tok/s, {r['speedup [CI]']}, "
                f"{r['verdict']}, accept {r['accept length']} (break-even {r['break-even accept']})" for r in rows]
     summary += [f"batch {bs}: {rec['text']}" for bs, rec in report["summary"]["recommendation"].items()]
+    summary += [f"challenger vs champion, {r['setting']} @ batch {r['batch']}: {r['challenger / champion tok/s [CI]']}, "
+                f"{r['verdict']}" for r in head_to_head_rows(report.get("head_to_head") or [])]
     summary.append(f"report: {out.store.uri(out.key('report.md'))}")
     return StageResult.committed(out.manifest, out.uri, skipped=skipped, summary=summary, table=rows)
 
@@ -122,13 +144,12 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     prompts, prompt_format = build_prompts(cfg, conversations)
     if not prompts:
         raise BenchError(f"the prepared eval split {upstream[PREPARE]} has no conversation with a user turn")
-    draft = drafter_path(cfg, store, upstream)
-    plan: SweepPlan = plan_sweep(cfg, draft)
+    drafters = drafter_paths(cfg, store, upstream)
+    plan: SweepPlan = plan_sweep(cfg, drafters)
     log.info("bench: %d server configurations (%s), batch sizes %s, %d rounds, interleave %s; %d skipped",
              len(plan.servers), ", ".join(s.label for s in plan.servers), plan.batch_sizes, plan.rounds,
              plan.interleave, len(plan.skipped))
-    sweep = Sweep(cfg, out, plan, prompts, draft, on_line=on_line, progress=progress,
-                  session_options=session_options)
+    sweep = Sweep(cfg, out, plan, prompts, on_line=on_line, progress=progress, session_options=session_options)
     sweep.run()
     outcome = sweep.outcome()
     if BASELINE in outcome.failures:
@@ -144,6 +165,8 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     summary = summarize(outcome.measurements, servers, plan.batch_sizes, confidence=b.confidence,
                         samples=b.bootstrap_samples, seed=b.seed, drift_tolerance=b.drift_tolerance)
     rows = table_rows(summary, outcome.failures)
+    versus = head_to_head(outcome.measurements, plan.head_to_head_pairs(), plan.batch_sizes, confidence=b.confidence,
+                          samples=b.bootstrap_samples, seed=b.seed)
     hw = hardware()
     notes = [f"prompts: {len(prompts)} ({prompt_format})"]
     if cfg.serve.engine == "reference":
@@ -152,10 +175,11 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
         notes.append("engine command: TTFT and inter-token latency are not measured (no known streaming API)")
     plan_d = plan.to_dict()
     md = markdown(summary, rows, plan=plan_d, failures=outcome.failures, launches=outcome.launches,
-                  hardware=hw, settings=_settings(cfg), notes=notes)
+                  hardware=hw, settings=_settings(cfg), notes=notes, head_to_head=versus)
     report = {"summary": summary, "table": rows, "plan": plan_d, "failures": outcome.failures,
               "launches": outcome.launches, "hardware": hw, "settings": _settings(cfg), "notes": notes,
-              "drafter_path": draft, "measurements": len(outcome.measurements)}
+              "drafters": _drafter_identity(cfg, upstream), "drafter_paths": drafters, "head_to_head": versus,
+              "measurements": len(outcome.measurements)}
     out.write_shard("report.json", json.dumps(report, indent=1, sort_keys=True, default=str))
     out.write_shard("report.md", md)
     out.write_shard("report.png", plot_png(summary, f"bench {out.fingerprint}"))

@@ -1,6 +1,8 @@
 """The `champion` stage: this run's export (the challenger) against the registry's champion.
 
-Upstream: {"export": fp, "prepare": fp}. Both drafters are judged offline on the same held-out
+Upstream: {"export": fp, "prepare": fp} (+ "bench": fp with `retrain.bench`). The champion is
+the one the challenger faces (Registry.opponent: the current champion, or the one the challenger
+replaced when it already is the champion, so a re-run skips). Both drafters are judged offline on the same held-out
 prompts of this run's corpus (the eval split, `export.eval_prompts`, `export.judge_num_steps`,
 `export.judge_max_new_tokens`, greedy), in this run; the verdict (drafter.retrain.compare) promotes
 the challenger only when it is better by `retrain.min_improvement` with the interval of the
@@ -12,8 +14,9 @@ Output (`champion/<fingerprint>/`): `decision.json` (the verdict and its figures
 `judge-champion.json` / `judge-challenger.json` (the two judgements, per prompt) and
 `accept-length.png` (accept length across every retrain of this drafter). The registry
 (drafter.registry) is updated BEFORE the commit: a crash in between re-runs as "unchanged".
-The fingerprint names the pair (challenger, champion at the start), so a rollback followed by a
-re-run judges again.
+The fingerprint names the pair (challenger, the champion it faces) and the bench, so a re-run of
+the same retrain skips, and so does one after a rollback (the rolled-back challenger is not
+promoted again by re-running; the summary reads the registry's champion now).
 """
 from __future__ import annotations
 
@@ -26,9 +29,9 @@ from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.formats import CHAMPION as STAGE
 from drafter.formats import CHAMPION_DECISION as DECISION
 from drafter.formats import CHAMPION_PLOT as PLOT
-from drafter.formats import EXPORT, PREPARE, download_export, load_prepared
+from drafter.formats import BENCH, BENCH_REPORT, EXPORT, PREPARE, download_export, load_prepared
 from drafter.registry import Registry
-from drafter.retrain import compare, plot_decisions
+from drafter.retrain import bench_verdict, compare, plot_decisions
 from drafter.stage_output import Progress, StageOutput, StageResult, guarded_progress
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore, open_store
@@ -43,31 +46,32 @@ def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
     registry = Registry.for_config(cfg, open_store(cfg.storage))
     config = {"retrain": fingerprint_fields(cfg.retrain), "judge": {k: getattr(cfg.export, k) for k in JUDGE_FIELDS},
               "target": target_identity(cfg.target), "target_dtype": cfg.target.dtype,
-              "registry": [registry.target, registry.name], "champion": registry.champion_export()}
-    return stage_fingerprint(STAGE, config, [upstream[EXPORT], upstream[PREPARE]])
+              "registry": [registry.target, registry.name], "champion": registry.opponent(upstream[EXPORT])}
+    return stage_fingerprint(STAGE, config, [upstream[k] for k in (EXPORT, PREPARE, BENCH) if k in upstream])
 
 
 def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str],
         progress: Progress | None = None, on_line=None) -> StageResult:
     out = StageOutput(store, STAGE, fingerprint(cfg, upstream))
     if out.is_complete():
-        return _result(out, skipped=True)
+        return _result(out, Registry.for_config(cfg, store), skipped=True)
     say = on_line or (lambda line: None)
     registry = Registry.for_config(cfg, store)
     challenger = upstream[EXPORT]
     challenger_judge = registry.check_export(challenger).manifest.meta["judge"]
-    champion = registry.champion_export()
+    champion = registry.opponent(challenger)
+    bench = bench_figures(store, upstream[BENCH], challenger, champion) if BENCH in upstream else None
     reports: dict[str, dict] = {}
-    if champion is None:
+    if registry.champion_export() == challenger:  # promoted by hand, or a crash after the registry update
+        decision = {"verdict": "unchanged", "champion_accept_length": challenger_judge["accept_length"],
+                    "challenger_accept_length": challenger_judge["accept_length"],
+                    "reason": f"export {challenger} already is the champion"}
+    elif champion is None:
         al = challenger_judge["accept_length"]
         decision = {"verdict": "promoted", "champion_accept_length": None, "challenger_accept_length": al,
                     "reason": f"first drafter {registry.name!r} for this target: no champion yet; it passed the "
                               f"export gate (offline accept length {al:.3f} on {challenger_judge['prompts']} "
                               f"held-out prompts)"}
-    elif champion == challenger:
-        decision = {"verdict": "unchanged", "champion_accept_length": challenger_judge["accept_length"],
-                    "challenger_accept_length": challenger_judge["accept_length"],
-                    "reason": f"export {challenger} already is the champion"}
     else:
         reports = _judge_both(cfg, store, upstream[PREPARE], {"champion": champion, "challenger": challenger},
                               guarded_progress(progress, STAGE), say)
@@ -75,6 +79,11 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
         verdict = compare(reports["champion"], reports["challenger"], min_improvement=r.min_improvement,
                           confidence=r.confidence, samples=r.bootstrap_samples, seed=r.seed)
         decision = {**verdict, "verdict": "promoted" if verdict.pop("promoted") else "rejected"}
+    if bench is not None:
+        decision["bench"] = bench
+        if decision["verdict"] == "promoted" and bench["problems"]:
+            decision.update(verdict="rejected", reason=decision["reason"] + "; but the bench: " +
+                            "; ".join(bench["problems"]))
     decision.update(challenger=challenger, champion=champion, drafter=registry.name, target=registry.target,
                     registry=registry.uri, corpus=upstream[PREPARE])
     say(f"champion: {decision['verdict']}: {decision['reason']}")
@@ -88,13 +97,21 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     out.write_shard(PLOT, plot_decisions(registry.decisions()))
     out.write_shard(DECISION, json.dumps(decision, indent=1) + "\n")
     out.commit(decision)
-    return _result(out, skipped=False)
+    return _result(out, registry, skipped=False)
+
+
+def bench_figures(store: ObjectStore, bench_fp: str, challenger: str, champion: str | None) -> dict:
+    """The head-to-head bench (upstream with `retrain.bench`): its figures and vetoes, and where its report is."""
+    out = StageOutput.committed(store, BENCH, bench_fp)
+    report = json.loads(out.read_shard(BENCH_REPORT))
+    return {**bench_verdict(report, challenger, champion), "fingerprint": bench_fp,
+            "report": store.uri(out.key("report.md"))}
 
 
 def _figures(decision: dict) -> dict:
     """What the registry and the events carry: the verdict and its numbers."""
     keys = ("verdict", "reason", "challenger", "champion", "champion_accept_length", "challenger_accept_length",
-            "difference", "relative", "interval", "confidence", "prompts", "min_improvement", "corpus")
+            "difference", "relative", "interval", "confidence", "prompts", "min_improvement", "corpus", "bench")
     return {k: decision[k] for k in keys if k in decision}
 
 
@@ -124,15 +141,32 @@ def _judge_both(cfg: LifecycleConfig, store: ObjectStore, prepare_fp: str, expor
     return reports
 
 
-def _result(out: StageOutput, skipped: bool) -> StageResult:
+def _result(out: StageOutput, registry: Registry, skipped: bool) -> StageResult:
     d = out.manifest.meta
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-"
-    summary = [f"{d['verdict']}: {d['reason']}", f"champion now: export {d['champion_after']} "
-                                                   f"(registry {d['registry']})"]
+    fmt = lambda v, f="{:.3f}": f.format(v) if isinstance(v, (int, float)) else "-"
+    now = registry.champion_export()  # the registry's word now (a rollback may have followed the verdict)
+    summary = [f"{d['verdict']}: {d['reason']}",
+               f"champion now: export {now} (registry {d['registry']})"
+               + ("" if now == d["champion_after"] else f"; after this verdict it was {d['champion_after']}")]
     table = [{"figure": "export", "champion": d.get("champion") or "-", "challenger": d["challenger"]},
              {"figure": "offline accept length", "champion": fmt(d.get("champion_accept_length")),
-              "challenger": fmt(d.get("challenger_accept_length"))},
-             {"figure": "verdict", "champion": "kept" if d["verdict"] != "promoted" else "replaced",
-              "challenger": d["verdict"]},
-             {"figure": "why", "champion": "", "challenger": d["reason"]}]
+              "challenger": fmt(d.get("challenger_accept_length"))}]
+    bench = d.get("bench")
+    for row in (bench or {}).get("rows", []):
+        at = f"bench {row['setting']} @ batch {row['batch_size']}"
+        table.append({"figure": f"{at}: speedup vs baseline", "champion": fmt(row.get("champion_speedup"), "{:.2f}x"),
+                      "challenger": fmt(row.get("challenger_speedup"), "{:.2f}x")})
+        table.append({"figure": f"{at}: accept length (server)", "champion": fmt(row.get("champion_accept_length")),
+                      "challenger": fmt(row.get("challenger_accept_length"))})
+        if row.get("interval"):
+            lo, hi = row["interval"]
+            table.append({"figure": f"{at}: challenger / champion throughput", "champion": "",
+                          "challenger": f"{row['challenger_over_champion']:.2f}x [{fmt(lo, '{:.2f}')}, "
+                                        f"{fmt(hi, '{:.2f}')}] ({row['verdict']})"})
+    if bench:
+        summary.append(f"bench: {bench['report']}")
+        summary += [f"bench note: {n}" for n in bench["notes"]]
+    table += [{"figure": "verdict", "champion": "kept" if d["verdict"] != "promoted" else "replaced",
+               "challenger": d["verdict"]},
+              {"figure": "why", "champion": "", "challenger": d["reason"]}]
     return StageResult.committed(out.manifest, out.uri, skipped, summary, table)
