@@ -2,9 +2,10 @@
 `drafter-lifecycle`), then the verdict published to Prefect.
 
 With a retrain profile (a growing source, `train.init_from: champion`, `serve.draft_path:
-champion`) each run prepares the corpus version the source holds now, generates and dumps only
-what earlier runs did not (drafter.reuse), fine-tunes the champion, exports and judges the
-challenger, lets the `champion` stage promote or reject it, then serves and benches the champion.
+champion`, `retrain.bench`) each run prepares the corpus version the source holds now, generates
+and dumps only what earlier runs did not (drafter.reuse), fine-tunes the champion, exports and
+judges the challenger, benches it side by side with the champion and the baseline, lets the
+`champion` stage promote or reject it, then serves the champion.
 The verdict becomes a `drafter.promoted` / `drafter.rejected` event (the figures as payload, for
 automations: notify, redeploy) and the accept length across retrains an artifact.
 """

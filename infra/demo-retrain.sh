@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make demo-retrain`: append a batch of new prompts to the growing demo source (the first call
 # writes the base corpus), then run the retrain-nightly deployment through the local Prefect server:
-# only the new conversations are generated and dumped, the champion is fine-tuned, and the
-# challenger is promoted only when it is measurably better.
+# only the new conversations are generated and dumped, the champion is fine-tuned, benched side by
+# side with the challenger, and the challenger is promoted only when it is measurably better.
 set -euo pipefail
 source "$(dirname "$0")/prefect-env.sh"
 cd "$ROOT"

@@ -297,7 +297,7 @@ def test_streaming_client_measures_ttft_and_inter_token_latency(tmp_path):
     from drafter.serving.session import ServerSession
 
     cfg = fake_config(tmp_path, [S314], fake_args=["--token-delay-s", "0.005", "--accept-length", "2"])
-    spec = server_config(cfg, ServerPlan("s", SpeculativeConfig(**S314)), cfg.serve.draft_path)
+    spec = server_config(cfg, ServerPlan("s", SpeculativeConfig(**S314), draft_path=cfg.serve.draft_path))
     with ServerSession(spec, strict_settings=True, **FAST) as served:
         for style in ("sglang", "openai"):
             api = ClientApi(style, stream=True, flush_cache=True, served_model_name="fake-model")
