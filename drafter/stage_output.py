@@ -241,7 +241,8 @@ class StageOutput:
         try:
             raw = self.store.get_bytes(key)
         except ObjectNotFound:
-            raise ObjectNotFound(f"{self.stage} is not committed: no manifest {self.store.uri(key)}") from None
+            raise ObjectNotFound(f"{self.stage} is not committed: no manifest {self.store.uri(key)} "
+                                 f"(run the {self.stage} stage with this configuration first)") from None
         try:
             manifest = Manifest.model_validate_json(raw)
         except (ValidationError, ValueError) as e:
