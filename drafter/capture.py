@@ -42,15 +42,22 @@ def resolve_devices(devices: list[str]) -> list[torch.device]:
 
 
 @dataclass
-class CaptureModel:
-    model: torch.nn.Module      # the CausalLM (hooks for tests go on it)
-    tokenizer: object           # this worker's own copy: HF fast tokenizers are not thread-safe
+class CaptureShape:
+    """What every capture backend's model carries; the dump reads these (hf: CaptureModel below,
+    vllm: drafter.capture_vllm.VLLMCaptureModel)."""
+
+    tokenizer: object           # hf: this worker's own copy, HF fast tokenizers are not thread-safe
     device: torch.device
     dtype: torch.dtype
     aux_layer_ids: list[int]
     num_layers: int
     hidden_size: int
     pad_id: int
+
+
+@dataclass
+class CaptureModel(CaptureShape):
+    model: torch.nn.Module      # the CausalLM (hooks for tests go on it)
 
 
 # transformers' from_pretrained is not thread-safe (its meta-device init patches torch globally:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from drafter.capture import CaptureShape
 from drafter.dtypes import dtype_name
 from drafter.errors import DrafterError
 from drafter.layers import check_aux_layer_ids, engine_layer_ids
@@ -62,16 +63,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @dataclass
-class VLLMCaptureModel:
-    """The same attributes as drafter.capture.CaptureModel, backed by a vLLM worker process."""
+class VLLMCaptureModel(CaptureShape):
+    """A capture model backed by a vLLM worker process."""
 
-    tokenizer: object
-    device: torch.device
-    dtype: torch.dtype
-    aux_layer_ids: list[int]
-    num_layers: int
-    hidden_size: int
-    pad_id: int
     vllm_layer_ids: list[int]
     engine_version: str
     rule: str

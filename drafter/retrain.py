@@ -74,10 +74,10 @@ def bench_verdict(report: dict, challenger: str, champion: str | None) -> dict:
                 for key, f in sorted(report["failures"].items()) if key.startswith("challenger-")]
     notes = [f"the champion's server failed at {f['config']} ({f['kind']})"
              for key, f in sorted(report["failures"].items()) if key.startswith("champion-")]
+    mean = lambda entry: entry["mean"] if entry else None
     rows = []
     for p in report.get("head_to_head") or []:
         ratio, bs = p["ratio"], p["batch_size"]
-        mean = lambda entry: entry["mean"] if entry else None
         row = {"setting": p["setting"], "batch_size": bs, "rounds": p["rounds"],
                "challenger_over_champion": ratio["speedup"] if ratio else None,
                "interval": [ratio["low"], ratio["high"]] if ratio else None,

@@ -135,6 +135,31 @@ def judge_export(sglang_dir: str | Path, target, prompts: list[list[int]], *, nu
     return report
 
 
+def held_out_judging(cfg, store, prepare_fp: str) -> tuple[Any, list[list[int]], int, int]:
+    """What every offline judgement of a configuration uses (the export gate, the champion's paired
+    comparison): the target on `export.device` and the held-out prompts, the eval split's first
+    `export.eval_prompts` that leave room for `judge_max_new_tokens`. Returns (target, prompts,
+    skipped prompts, eval conversations)."""
+    from drafter.formats import load_prepared
+    from drafter.target import HFTarget
+
+    ec = cfg.export
+    target = HFTarget(cfg.target.path, device=ec.device, dtype=cfg.target.dtype,
+                      trust_remote_code=cfg.target.trust_remote_code)
+    conversations = load_prepared(store, prepare_fp, "eval")
+    prompts, skipped = prompts_from_conversations(target.tokenizer, conversations, ec.eval_prompts,
+                                                  target.max_position_embeddings - ec.judge_max_new_tokens)
+    return target, prompts, skipped, len(conversations)
+
+
+def judge_as_configured(ec, sglang_dir: str | Path, target, prompts: list[list[int]], *,
+                        prediction_acc: list[float] | None = None, on_prompt=None) -> dict[str, Any]:
+    """`judge_export` with the `export` section's judge settings (steps, new tokens, buckets)."""
+    return judge_export(sglang_dir, target, prompts, num_steps=ec.judge_num_steps,
+                        max_new_tokens=ec.judge_max_new_tokens, bucket_edges=ec.judge_bucket_edges,
+                        prediction_acc=prediction_acc, on_prompt=on_prompt)
+
+
 def check(report: dict[str, Any], min_accept_length: float, min_accept_ratio: float) -> dict[str, Any]:
     """The verdict; raises JudgedTooLow naming the threshold missed (both, when both are)."""
     got = report["accept_length"]

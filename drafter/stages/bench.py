@@ -86,10 +86,11 @@ def output(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]
     return StageOutput(store, STAGE, fingerprint(cfg, upstream))
 
 
-def drafter_paths(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> dict[str, str]:
+def drafter_paths(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str],
+                  identity: dict | None) -> dict[str, str]:
     """The drafters the sweep's speculative servers load, by role: `{"": dir}` for one drafter,
-    `{"challenger": dir, "champion": dir}` with `retrain.bench`, `{}` for a baseline-only sweep."""
-    identity = _drafter_identity(cfg, upstream)  # names what is missing
+    `{"challenger": dir, "champion": dir}` with `retrain.bench`, `{}` for a baseline-only sweep.
+    `identity`: `_drafter_identity` (which names what is missing)."""
     if identity is None:
         return {}
     if cfg.retrain.bench:
@@ -144,7 +145,8 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     prompts, prompt_format = build_prompts(cfg, conversations)
     if not prompts:
         raise BenchError(f"the prepared eval split {upstream[PREPARE]} has no conversation with a user turn")
-    drafters = drafter_paths(cfg, store, upstream)
+    identity = _drafter_identity(cfg, upstream)
+    drafters = drafter_paths(cfg, store, upstream, identity)
     plan: SweepPlan = plan_sweep(cfg, drafters)
     log.info("bench: %d server configurations (%s), batch sizes %s, %d rounds, interleave %s; %d skipped",
              len(plan.servers), ", ".join(s.label for s in plan.servers), plan.batch_sizes, plan.rounds,
@@ -178,7 +180,7 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
                   hardware=hw, settings=_settings(cfg), notes=notes, head_to_head=versus)
     report = {"summary": summary, "table": rows, "plan": plan_d, "failures": outcome.failures,
               "launches": outcome.launches, "hardware": hw, "settings": _settings(cfg), "notes": notes,
-              "drafters": _drafter_identity(cfg, upstream), "drafter_paths": drafters, "head_to_head": versus,
+              "drafters": identity, "drafter_paths": drafters, "head_to_head": versus,
               "measurements": len(outcome.measurements)}
     out.write_shard("report.json", json.dumps(report, indent=1, sort_keys=True, default=str))
     out.write_shard("report.md", md)

@@ -29,7 +29,7 @@ from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.formats import CHAMPION as STAGE
 from drafter.formats import CHAMPION_DECISION as DECISION
 from drafter.formats import CHAMPION_PLOT as PLOT
-from drafter.formats import BENCH, BENCH_REPORT, EXPORT, PREPARE, download_export, load_prepared
+from drafter.formats import BENCH, BENCH_REPORT, EXPORT, PREPARE, download_export
 from drafter.registry import Registry
 from drafter.retrain import bench_verdict, compare, plot_decisions
 from drafter.stage_output import Progress, StageOutput, StageResult, guarded_progress
@@ -118,24 +118,17 @@ def _figures(decision: dict) -> dict:
 def _judge_both(cfg: LifecycleConfig, store: ObjectStore, prepare_fp: str, exports: dict[str, str],
                 progress: Progress | None, say) -> dict[str, dict]:
     """Each export's SGLang files judged on the same prompts with the same target and settings."""
-    from drafter.export.judge import judge_export, prompts_from_conversations
-    from drafter.target import HFTarget
+    from drafter.export.judge import held_out_judging, judge_as_configured
 
-    ec = cfg.export
-    target = HFTarget(cfg.target.path, device=ec.device, dtype=cfg.target.dtype,
-                      trust_remote_code=cfg.target.trust_remote_code)
-    conversations = load_prepared(store, prepare_fp, "eval")
-    prompts, _ = prompts_from_conversations(target.tokenizer, conversations, ec.eval_prompts,
-                                            target.max_position_embeddings - ec.judge_max_new_tokens)
+    target, prompts, _, _ = held_out_judging(cfg, store, prepare_fp)
     reports = {}
     with tempfile.TemporaryDirectory(prefix="drafter-champion-") as work:
         for k, (who, export_fp) in enumerate(exports.items()):
             sglang_dir = download_export(store, export_fp, Path(work) / who, "sglang")
-            report = judge_export(sglang_dir, target, prompts, num_steps=ec.judge_num_steps,
-                                  max_new_tokens=ec.judge_max_new_tokens, bucket_edges=ec.judge_bucket_edges,
-                                  on_prompt=(lambda done, total, k=k: progress(k * total + done, 2 * total,
-                                                                               "prompts judged"))
-                                  if progress else None)
+            report = judge_as_configured(cfg.export, sglang_dir, target, prompts,
+                                         on_prompt=(lambda done, total, k=k: progress(k * total + done, 2 * total,
+                                                                                      "prompts judged"))
+                                         if progress else None)
             reports[who] = {**report, "export": export_fp}
             say(f"champion: {who} {export_fp}: offline accept length {report['accept_length']:.3f}")
     return reports

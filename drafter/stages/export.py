@@ -28,7 +28,7 @@ from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.export.judge import check as judge_check
 from drafter.export.manifest import EXPORT_FORMAT_VERSION, export_manifest
 from drafter.export.sglang import ExportError, TargetInfo, check_sglang_export, require_good, write_sglang
-from drafter.formats import DATAGEN, DUMP, PREPARE, TRAIN, download_trained_drafter, load_prepared
+from drafter.formats import DATAGEN, DUMP, PREPARE, TRAIN, download_trained_drafter
 from drafter.layers import LAYER_ID_CONVENTION
 from drafter.model import CONFIG_FILE, WEIGHTS_FILE
 from drafter.stage_output import Progress, StageOutput, StageResult, guarded_progress
@@ -165,23 +165,17 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
 
 def _judge(cfg: LifecycleConfig, store: ObjectStore, prepare_fp: str, sglang_dir: Path, train_meta: dict,
            progress: Progress | None, say) -> dict:
-    from drafter.export.judge import judge_export, prompts_from_conversations
-    from drafter.target import HFTarget
+    from drafter.export.judge import held_out_judging, judge_as_configured
 
     ec = cfg.export
-    target = HFTarget(cfg.target.path, device=ec.device, dtype=cfg.target.dtype,
-                      trust_remote_code=cfg.target.trust_remote_code)
-    conversations = load_prepared(store, prepare_fp, "eval")
-    prompts, skipped = prompts_from_conversations(target.tokenizer, conversations, ec.eval_prompts,
-                                                  target.max_position_embeddings - ec.judge_max_new_tokens)
+    target, prompts, skipped, conversations = held_out_judging(cfg, store, prepare_fp)
     if not prompts:
         raise ExportError(f"no held-out prompt to judge with: {PREPARE}/{prepare_fp} eval split has "
-                          f"{len(conversations)} conversations, skipped {skipped}")
+                          f"{conversations} conversations, skipped {skipped}")
     row = train_meta.get("final_eval") or train_meta.get("final_train") or {}
-    report = judge_export(sglang_dir, target, prompts, num_steps=ec.judge_num_steps,
-                          max_new_tokens=ec.judge_max_new_tokens, bucket_edges=ec.judge_bucket_edges,
-                          prediction_acc=row.get("acc"),
-                          on_prompt=(lambda done, total: progress(done, total, "prompts judged")) if progress else None)
+    report = judge_as_configured(ec, sglang_dir, target, prompts, prediction_acc=row.get("acc"),
+                                 on_prompt=(lambda done, total: progress(done, total, "prompts judged"))
+                                 if progress else None)
     report["prediction_split"] = "eval" if train_meta.get("final_eval") else ("train" if row else None)
     report["train_max_length"] = cfg.train.max_length
     report["skipped_prompts"] = skipped
