@@ -4,21 +4,31 @@ Nothing here knows which stage feeds which: the stage table (drafter.stages) say
 is not selected is not run, but its fingerprint still names the output the next stage reads
 (fingerprints are pure functions of the configuration), so a single stage can be started alone
 once its upstream outputs exist; if they do not, it fails naming what is missing.
+
+A stage that fails (a gate's refusal or any error) stops the run: the later stages are not run,
+the summary says so, and the run ends Failed with the stage's one-line reason as its state
+message, which `prefect deployment run --watch` and `make demo` print.
 """
 # No `from __future__ import annotations`: the flow's parameter types are built from the table at
 # import time, and Prefect reads them from the signature to render the UI's form and multi-select.
-from typing import Literal, Optional
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
 
 from prefect import Flow, flow
 from prefect.artifacts import create_table_artifact
+from prefect.logging import get_run_logger
+from prefect.states import Completed, Failed, State
+from prefect.utilities.urls import url_for
 
 from drafter.config import LifecycleConfig, load_config
+from drafter.errors import describe
 from drafter.stages import TABLE, Stage, StageTable
-from tasks.common import reap_left_servers
+from tasks.common import failure_of, reap_left_servers
 from tasks.stage import stage_task
 from tasks.target import ensure_target_task
 
 REAP = dict(on_cancellation=[reap_left_servers], on_crashed=[reap_left_servers])
+NOT_RUN = "not run (an earlier stage failed)"
 
 
 def stage_flow(stage: Stage, table: StageTable) -> Flow:
@@ -26,21 +36,69 @@ def stage_flow(stage: Stage, table: StageTable) -> Flow:
     run_task = stage_task(stage, table)
 
     def run(cfg: LifecycleConfig, fingerprints: dict[str, Optional[str]]) -> dict:
-        return run_task(cfg, fingerprints)
+        state = run_task(cfg, fingerprints, return_state=True)
+        result = state.result()  # the stage's error fails this subflow as well
+        # a skipped stage says so on its subflow too, not only on its task run
+        return Completed(message=state.message, data=result) if result["skipped"] else result
 
     run.__doc__ = stage.description
     return flow(run, name=stage.name, log_prints=True, **(REAP if stage.starts_servers else {}))
 
 
-def run_stages(table: StageTable, subflows: dict[str, Flow], cfg: LifecycleConfig, stages) -> dict[str, dict]:
-    """The target, then the selected stages in lifecycle order, each as its subflow; one summary."""
-    results: dict[str, dict] = {"target": ensure_target_task(cfg)}
+@dataclass
+class StageFailure:
+    stage: str
+    verb: str                 # "refused" (a gate's decision) or "failed"
+    reason: str               # the error's one line (drafter.errors.describe)
+    where: str                # the stage's run in the UI, or what else says more
+
+    def line(self) -> str:
+        """The run's state message: what `--watch`, `make demo` and the UI show."""
+        return f"stage {self.stage} {self.verb}: {self.reason} (see {self.where})"
+
+
+def _failure(stage: Optional[Stage], name: str, state: Optional[State], error: Optional[BaseException]) -> StageFailure:
+    if error is None and state is not None:
+        error = failure_of(state)
+    reason = describe(error) if error is not None else f"{state.name}: {state.message}"
+    run_id = state.state_details.flow_run_id if state is not None else None
+    where = (url_for("flow-run", obj_id=run_id) if run_id else None) or (
+        f"flow run {run_id} in the run log" if run_id else "the run log")
+    verb = "refused" if stage is not None and error is not None and stage.refuses(error) else "failed"
+    return StageFailure(name, verb, reason, where)
+
+
+def run_stages(table: StageTable, subflows: dict[str, Flow], cfg: LifecycleConfig,
+               stages) -> Union[dict[str, dict], State]:
+    """The target, then the selected stages in lifecycle order, each as its subflow; one summary.
+    Returns every stage's result, or, when one failed, a Failed state naming it (the run's end)."""
+    ordered = table.in_order(stages)
+    results: dict[str, dict] = {}
+    failure: Optional[StageFailure] = None
+    target = ensure_target_task(cfg, return_state=True)
+    if target.is_completed():
+        results["target"] = target.result()
+    else:
+        failure = _failure(None, "target", target, None)
     fps = table.fingerprints(cfg)
-    for stage in table.in_order(stages):
-        results[stage.name] = subflows[stage.name](cfg, fps.upstream(stage.name))
+    for stage in ordered:
+        if failure is not None:
+            break
+        try:
+            state = subflows[stage.name](cfg, fps.upstream(stage.name), return_state=True)
+        except Exception as err:  # its upstream fingerprints could not be computed: it never started
+            failure = _failure(stage, stage.name, None, err)
+            break
+        if not state.is_completed():
+            failure = _failure(stage, stage.name, state, None)
+            break
+        results[stage.name] = state.result()
         fps.record(results[stage.name])
-    _summarise({k: v for k, v in results.items() if k != "target"})
-    return results
+    _summarise(ordered, results, failure)
+    if failure is None:
+        return results
+    get_run_logger().error(failure.line())
+    return Failed(message=failure.line())
 
 
 def lifecycle_flow(table: StageTable) -> Flow:
@@ -57,16 +115,28 @@ def lifecycle_flow(table: StageTable) -> Flow:
     return flow(drafter_lifecycle, name="drafter-lifecycle", log_prints=True, **REAP)
 
 
-def _summarise(results: dict[str, dict]) -> None:
-    """One line per stage in the parent run's log (what `make demo` prints) and a table artifact."""
+def _summarise(ordered: list[Stage], results: dict[str, dict], failure: Optional[StageFailure]) -> None:
+    """One line per selected stage in the parent run's log (what `make demo` prints) and a table
+    artifact, written whether or not the run got through: the failed stage and those not run marked."""
     rows = []
-    for stage, result in results.items():
-        state = {"skipped": "skipped (output already complete)"}.get(result["status"], result["status"])
-        print(f"stage {stage}: {state} {result['uri'] or ''}")
-        for line in result.get("summary") or []:  # the stage's own figures (accept lengths, the bench table)
-            print(f"stage {stage} | {line}")
-        rows.append({"stage": stage, "state": state, "where": result["uri"] or ""})
-    create_table_artifact(key="lifecycle-summary", table=rows, description="drafter-lifecycle stages")
+    for stage in ordered:
+        result = results.get(stage.name)
+        if result is not None:
+            state = {"skipped": "skipped (output already complete)"}.get(result["status"], result["status"])
+            print(f"stage {stage.name}: {state} {result['uri'] or ''}")
+            for line in result.get("summary") or []:  # the stage's own figures (accept lengths, the bench table)
+                print(f"stage {stage.name} | {line}")
+            rows.append({"stage": stage.name, "state": state, "where": result["uri"] or "", "reason": ""})
+        elif failure is not None and failure.stage == stage.name:
+            print(f"stage {stage.name}: {failure.verb}")
+            rows.append({"stage": stage.name, "state": failure.verb, "where": failure.where, "reason": failure.reason})
+        else:
+            print(f"stage {stage.name}: {NOT_RUN}")
+            rows.append({"stage": stage.name, "state": NOT_RUN, "where": "", "reason": ""})
+    if failure is not None and failure.stage == "target":
+        rows.insert(0, {"stage": "target", "state": failure.verb, "where": failure.where, "reason": failure.reason})
+    create_table_artifact(key="lifecycle-summary", table=rows,
+                          description="drafter-lifecycle stages" + (f": {failure.line()}" if failure else ""))
 
 
 drafter_lifecycle = lifecycle_flow(TABLE)

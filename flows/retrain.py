@@ -12,6 +12,7 @@ automations: notify, redeploy) and the accept length across retrains an artifact
 from typing import Literal, Optional
 
 from prefect import Flow, flow
+from prefect.states import State
 
 from drafter.config import LifecycleConfig, load_config
 from drafter.stages import TABLE, StageTable
@@ -28,6 +29,8 @@ def retrain_flow(table: StageTable) -> Flow:
         """Retrain on the source's current files; promote the challenger only when it is better."""
         cfg = config if config is not None else load_config(profile)
         results = run_stages(table, subflows, cfg, stages)
+        if isinstance(results, State):  # a stage failed: the run ends with its reason
+            return results
         if "champion" in results:
             results["published"] = publish_verdict(cfg, results["champion"])
         return results

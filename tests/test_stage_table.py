@@ -76,11 +76,22 @@ def test_every_stage_has_a_deployment():
         assert dep["entrypoint"] == "flows/lifecycle.py:drafter_lifecycle"
 
 
-def test_a_new_stage_is_one_module_and_one_row(tmp_path, monkeypatch, tiny_target):
-    """A fake stage added to a copy of the table runs through the real flow (a Prefect test
-    server), reads its upstream's output by the fingerprint the table gives, and skips on a re-run."""
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """One Prefect test server for this module's flow runs (~11 s to start)."""
     from prefect.testing.utilities import prefect_test_harness
 
+    home = tmp_path_factory.mktemp("prefect")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREFECT_HOME", str(home))
+        mp.setenv("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(home / "results"))
+        with prefect_test_harness(server_startup_timeout=60):
+            yield
+
+
+def test_a_new_stage_is_one_module_and_one_row(tmp_path, tiny_target, prefect_server):
+    """A fake stage added to a copy of the table runs through the real flow (a Prefect test
+    server), reads its upstream's output by the fingerprint the table gives, and skips on a re-run."""
     from flows.lifecycle import lifecycle_flow
     from drafter.stages import prepare
 
@@ -88,26 +99,90 @@ def test_a_new_stage_is_one_module_and_one_row(tmp_path, monkeypatch, tiny_targe
                                        upstream=("prepare",))])
     cfg = corpus_config(tmp_path)
     cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(tiny_target)})})
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
-    monkeypatch.setenv("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(tmp_path / "prefect" / "results"))
-    with prefect_test_harness(server_startup_timeout=60):
-        run = lifecycle_flow(table)
-        assert "count" in run.parameters.model_dump()["properties"]["stages"]["items"]["enum"]
-        first = run(config=cfg, stages=["count", "prepare"])  # run in table order whatever the order given
-        again = run(config=cfg, stages=["count"])
-        # an expected failure is the CLI's one line in the run log too
-        other = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seed": 7})})
-        with pytest.raises(Exception):
-            run(config=other, stages=["count"])
-        from prefect.client.orchestration import get_client
+    run = lifecycle_flow(table)
+    assert "count" in run.parameters.model_dump()["properties"]["stages"]["items"]["enum"]
+    first = run(config=cfg, stages=["count", "prepare"])  # run in table order whatever the order given
+    again = run(config=cfg, stages=["count"])
+    # an expected failure is the CLI's one line in the run log too
+    other = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seed": 7})})
+    with pytest.raises(Exception):
+        run(config=other, stages=["count"])
+    from prefect.client.orchestration import get_client
 
-        with get_client(sync_client=True) as client:
-            messages = [entry.message for entry in client.read_logs()]
-        assert any(m.startswith("count: error (ObjectNotFound): prepare is not committed") for m in messages), messages
+    with get_client(sync_client=True) as client:
+        messages = [entry.message for entry in client.read_logs()]
+    assert any(m.startswith("count: error (ObjectNotFound): prepare is not committed") for m in messages), messages
     prepared = prepare.fingerprint(cfg)
     assert first["prepare"]["status"] == "done" and first["count"]["status"] == "done"
     assert first["count"]["meta"] == {"conversations": 9, "prepare": prepared}
     assert again["count"]["status"] == "skipped" and "prepare" not in again
+
+
+def _latest(items):
+    return max(items, key=lambda x: x.created)
+
+
+def test_a_refusing_gate_ends_the_run_failed_with_its_reason(tmp_path, tiny_target, prefect_server):
+    """A gate that refuses ends the flow run Failed with the stage's one line (and where to look)
+    as the run's state message; the summary artifact lists the refused stage and the one not run;
+    the verdict is a markdown artifact of its task run; a re-run's skipped stage says so in its
+    task run's state message; the stage's own lines are not marked as a server's."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, FlowFilter, FlowFilterName,
+                                                FlowRunFilter, FlowRunFilterId)
+
+    from flows.lifecycle import NOT_RUN, lifecycle_flow
+    from tests.fixtures import gate_stage
+
+    table = StageTable([*STAGES, Stage("gate", "tests.fixtures.gate_stage", "let enough prompts through",
+                                       upstream=("prepare",), verdict=gate_stage.verdict),
+                        Stage("count", "tests.fixtures.fake_stage", "count the prompts", upstream=("prepare",))])
+    cfg = corpus_config(tmp_path)
+    cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(tiny_target)})})
+    strict = cfg.model_copy(update={"export": cfg.export.model_copy(update={"min_accept_length": 100.0})})
+    run = lifecycle_flow(table)
+    stages = ["prepare", "gate", "count"]
+    with pytest.raises(Exception, match="stage gate refused"):
+        run(config=strict, stages=stages)
+
+    def artifact(client, key):
+        return _latest(client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))))
+
+    with get_client(sync_client=True) as client:
+        parent = _latest(client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["drafter-lifecycle"]))))
+        gate_run = _latest(client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["gate"]))))
+        assert parent.state.is_failed() and gate_run.state.is_failed()
+        reason = "stage gate refused: error (TooFew): 9 training conversations < export.min_accept_length 100.0"
+        assert parent.state.message.startswith(reason + " (see "), parent.state.message
+        assert parent.state.message.endswith(f"/runs/flow-run/{gate_run.id})"), parent.state.message
+        summary = artifact(client, "lifecycle-summary")
+        assert summary.flow_run_id == parent.id
+        rows = {r["stage"]: r for r in json.loads(summary.data)}
+        assert [rows[s]["state"] for s in stages] == [rows["prepare"]["state"], "refused", NOT_RUN]
+        assert rows["prepare"]["state"] == "done" and rows["gate"]["reason"].startswith("error (TooFew): 9 ")
+        verdict = artifact(client, "gate-verdict")
+        (gate_task,) = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[gate_run.id])))
+        assert verdict.type == "markdown" and verdict.task_run_id == gate_task.id
+        assert verdict.data.startswith("## gate: refused\n\n9 training conversations")
+        messages = [entry.message for entry in client.read_logs()]
+        assert "gate: 9 conversations, at least 100.0 needed" in messages  # the stage's own line, unmarked
+        assert not any(m.startswith("[server]") for m in messages)
+        assert reason in "\n".join(messages)  # the parent run's log says it too (what --watch streams)
+
+    passed = run(config=cfg, stages=stages)  # prepare is complete now: skipped
+    assert passed["prepare"]["status"] == "skipped" and passed["gate"]["status"] == "done"
+    with get_client(sync_client=True) as client:
+        prepare_runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["prepare"])))
+        prepare_tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(
+            any_=[r.id for r in prepare_runs])))
+        first, again = sorted(prepare_tasks, key=lambda t: t.created)[-2:]
+        assert again.state.is_completed()
+        assert again.state.message == f"skipped: output already complete at {passed['prepare']['uri']}"
+        assert not (first.state.message or "").startswith("skipped")  # the run that wrote it
+        assert _latest(prepare_runs).state.message == again.state.message  # the stage's subflow says it too
+        assert artifact(client, "gate-verdict").data.startswith("## gate: passed")
+        rows = json.loads(artifact(client, "lifecycle-summary").data)
+        assert [r["state"] for r in rows] == ["skipped (output already complete)", "done", "done"]
 
 
 def test_cli_runs_a_stage_from_the_table_and_names_a_missing_upstream(tmp_path, tiny_target):

@@ -40,6 +40,11 @@ from drafter.serving.engines import Engine, LaunchSpec
 from drafter.serving.errors import ServerConfigError, TeardownError
 
 OnLine = Callable[[str], None]
+
+
+class ServerLine(str):
+    """A line the server process wrote, as `on_line` receives it: a caller that mixes it with its
+    own lines (the Prefect stage task) can tell them apart and mark only the server's."""
 _MAX_LINE = 1 << 20
 
 
@@ -545,7 +550,7 @@ class ServerProcess:
                 self.fatal_line = line
         if self.on_line is not None:
             try:
-                self.on_line(line)
+                self.on_line(ServerLine(line))
             except Exception:  # a broken callback must not stop the log (and the watchdog)
                 pass
 

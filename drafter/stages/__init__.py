@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from drafter.config import LifecycleConfig
+from drafter.outputs import bench_verdict, champion_verdict, export_verdict
 from drafter.stage_output import Progress, StageResult
 from drafter.store import ObjectStore
 
@@ -32,6 +33,13 @@ class Stage:
     upstream: tuple[str, ...] | Callable[[LifecycleConfig], tuple[str, ...]] = ()
     starts_servers: bool = False      # the flow reaps what a cancelled run of it left behind
     retries: int = 3                  # attempts after the first, for errors that are `retryable`
+    # A gate's verdict as markdown, (result, error) -> str | None (drafter.outputs); the Prefect
+    # task publishes it. None for an error that is not the gate's refusal (then the stage failed).
+    verdict: Callable[..., str | None] | None = None
+
+    def refuses(self, error: BaseException) -> bool:
+        """Whether `error` is this gate's refusal (a decision), not a failure of the stage."""
+        return self.verdict is not None and self.verdict(None, error) is not None
 
     def upstream_of(self, cfg: LifecycleConfig) -> tuple[str, ...]:
         return self.upstream(cfg) if callable(self.upstream) else self.upstream
@@ -50,17 +58,20 @@ STAGES: tuple[Stage, ...] = (
     Stage("train", "drafter.stages.train", "train the EAGLE-3 drafter on the hidden states",
           upstream=("dump",)),
     Stage("export", "drafter.stages.export", "write the SGLang and vLLM formats, check them, judge the "
-                                             "accept length offline", upstream=("train", "prepare")),
+                                             "accept length offline", upstream=("train", "prepare"),
+          verdict=export_verdict),
     # With `retrain.bench` a head-to-head of this run's export and the champion, read by `champion`;
     # otherwise this run's export unless the profile names a drafter directory (or `champion`).
     Stage("bench", "drafter.stages.bench", "sweep speculative settings against the baseline, interleaved, "
                                            "with confidence intervals", starts_servers=True, retries=2,
+          verdict=bench_verdict,
           upstream=lambda cfg: ("prepare", "export") if cfg.retrain.bench or (cfg.bench.speculative and
                                                                              not cfg.serve.draft_path)
           else ("prepare",)),
     Stage("champion", "drafter.stages.champion", "judge this run's export against the registry's champion on "
                                                  "the same held-out prompts; promote it only when better",
-          upstream=lambda cfg: ("export", "prepare", "bench") if cfg.retrain.bench else ("export", "prepare")),
+          upstream=lambda cfg: ("export", "prepare", "bench") if cfg.retrain.bench else ("export", "prepare"),
+          verdict=champion_verdict),
     # This run's export, unless the profile names a drafter directory (or `champion`) or serves the target alone.
     Stage("serve", "drafter.stages.serve", "start the server, gate it on a real generation, read its "
                                            "settings back, stop it", starts_servers=True, retries=2,
