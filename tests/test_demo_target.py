@@ -1,13 +1,19 @@
-"""The locally built demo target: offline loading, chat template, determinism, skip-if-present."""
+"""The locally built demo target: offline loading, chat template, determinism, skip-if-present,
+the step budget and thread count as the recipe, the answer-diversity report and its gate."""
 from __future__ import annotations
 
+import itertools
 import json
+import types
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafter.demo_target import REPORT_FILE, build_demo_target, build_tokenizer, ensure_demo_target
+from drafter import demo_target
+from drafter.demo_target import (
+    REPORT_FILE, DegenerateTargetError, DemoTargetError, answer_report, build_demo_target, build_tokenizer,
+    check_answers, config_fingerprint, degenerate_reason, ensure_demo_target, held_out_prompts)
 from tests.fixtures.targets import tiny_target_config
 
 MESSAGES = [
@@ -77,10 +83,26 @@ def test_tokenizer_special_tokens_are_atomic():
     assert tok("hi")["input_ids"][0] == tok.bos_token_id  # plain encodes get BOS, like Llama 3
 
 
+def _weights(path):
+    return (path / "model.safetensors").read_bytes()
+
+
 def test_training_is_deterministic_and_learns(tmp_path, tiny_conversations):
-    cfg = tiny_target_config(max_steps=8)
-    a = build_demo_target(cfg, tmp_path / "a", conversations=tiny_conversations)
-    b = build_demo_target(cfg, tmp_path / "b", conversations=tiny_conversations)
+    # Same config -> same bytes, whatever torch's thread setting was before the build: the
+    # configured thread count (2 here) is what trains, and the caller's setting is restored.
+    cfg = tiny_target_config(max_steps=8, threads=2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = build_demo_target(cfg, tmp_path / "a", conversations=tiny_conversations)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(3)
+        b = build_demo_target(cfg, tmp_path / "b", conversations=tiny_conversations)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    assert a["torch_threads"] == b["torch_threads"] == 2
+    assert _weights(tmp_path / "a") == _weights(tmp_path / "b")
     wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert a["train_loss"] == b["train_loss"] and a["fingerprint"] == b["fingerprint"]
@@ -111,3 +133,109 @@ def test_ensure_skips_when_present_and_rebuilds_on_change(tmp_path, tiny_convers
     assert "skipped" not in changed and changed["steps"] == 4
     assert json.loads((out / REPORT_FILE).read_text())["steps"] == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]  # old copy swapped out and removed
+
+
+def test_threads_used_are_the_configured_ones(tmp_path, tiny_conversations):
+    seen = []
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        report = build_demo_target(tiny_target_config(max_steps=3, threads=1), tmp_path / "t",
+                                   conversations=tiny_conversations,
+                                   progress=lambda *a: seen.append(torch.get_num_threads()))
+        assert torch.get_num_threads() == 2  # restored after the build
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 1, 1] and report["torch_threads"] == 1
+    # The thread count is part of the recipe, so it names what is built.
+    data = "conversations:x"
+    assert config_fingerprint(tiny_target_config(threads=1), data) != \
+        config_fingerprint(tiny_target_config(threads=2), data)
+
+
+def test_schedule_follows_steps_not_the_clock(tmp_path, tiny_conversations, monkeypatch):
+    cfg = tiny_target_config(max_steps=6, train_seconds=None)  # no time limit at all
+    build_demo_target(cfg, tmp_path / "a", conversations=tiny_conversations)
+    # A clock that jumps 1000 s per reading (a very loaded machine): same steps, same bytes.
+    ticks = itertools.count(0, 1000.0)
+    monkeypatch.setattr(demo_target, "time", types.SimpleNamespace(monotonic=lambda: next(ticks)))
+    slow = build_demo_target(cfg, tmp_path / "b", conversations=tiny_conversations)
+    assert slow["steps"] == 6 and slow["train_seconds"] > 1000
+    assert _weights(tmp_path / "a") == _weights(tmp_path / "b")
+
+
+def test_time_limit_fails_loudly_and_saves_nothing(tmp_path, tiny_conversations, monkeypatch):
+    ticks = itertools.count(0, 1000.0)
+    monkeypatch.setattr(demo_target, "time", types.SimpleNamespace(monotonic=lambda: next(ticks)))
+    cfg = tiny_target_config(max_steps=6, train_seconds=1500)
+    with pytest.raises(DemoTargetError, match=r"exceeded train_seconds=1500 at step 1/6.*nothing saved") as err:
+        build_demo_target(cfg, tmp_path / "t", conversations=tiny_conversations)
+    assert "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_answer_report_fields(tiny_target, tiny_conversations):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    answers = json.loads((tiny_target / REPORT_FILE).read_text())["answers"]
+    assert answers["prompts"] == 8 and answers["max_new_tokens"] == 64  # 8 of 10 held-out prompts fit
+    for key in ("mean_distinct_tokens", "top_token", "top_token_share", "mean_answer_tokens",
+                "distinct_answers", "stopped_share", "degenerate", "samples"):
+        assert key in answers
+    # The figures are those of real greedy answers: redo the first one by hand.
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    prompt = held_out_prompts(tiny_conversations[-10:])[0]
+    x = tok.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**x, max_new_tokens=64, do_sample=False)[0, x["input_ids"].shape[1]:].tolist()
+    eos = set(model.generation_config.eos_token_id)
+    out = out[:-1] if out and out[-1] in eos else out
+    assert answers["samples"][0] == {"prompt": prompt[-1]["content"][:80], "answer": tok.decode(out)[:200]}
+    assert 0 < answers["mean_answer_tokens"] <= 64 and 1 <= answers["distinct_answers"] <= 8
+    assert 0 < answers["top_token_share"] <= 1 and 1 <= answers["mean_distinct_tokens"] <= 64
+    # The tiny test target is far too small to talk: its report says so (the fixture does not gate).
+    assert answers["degenerate"] == degenerate_reason(answers) is not None
+
+
+def test_degenerate_thresholds_are_exact():
+    ok = {"prompts": 4, "mean_distinct_tokens": 3.0, "top_token": "a", "top_token_share": 0.8}
+    assert degenerate_reason(ok) is None
+    check_answers(ok)
+    assert "< 3" in degenerate_reason({**ok, "mean_distinct_tokens": 2.99})
+    assert "> 80%" in degenerate_reason({**ok, "top_token_share": 0.81})
+    with pytest.raises(DegenerateTargetError, match="no held-out prompt fits"):
+        check_answers({"prompts": 0})
+
+
+def test_planted_one_token_model_is_refused(tiny_target, tiny_conversations):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    dot = tok.convert_tokens_to_ids(".")
+    bias = torch.zeros(model.config.vocab_size)
+    bias[dot] = 1e4  # every position now predicts "."
+    model.lm_head.bias = torch.nn.Parameter(bias)
+    gen = GenerationConfig.from_pretrained(tiny_target)
+    answers = answer_report(model, tok, held_out_prompts(tiny_conversations[-10:]), gen, limit=4,
+                            max_new_tokens=16, max_positions=512)
+    assert answers["prompts"] == 4 and answers["mean_answer_tokens"] == 16
+    assert answers["mean_distinct_tokens"] == 1.0 and answers["top_token"] == "." and answers["top_token_share"] == 1.0
+    assert answers["samples"][0]["answer"] == "." * 16
+    with pytest.raises(DegenerateTargetError) as err:
+        check_answers(answers)
+    msg = str(err.value)
+    assert "\n" not in msg and "4 held-out prompts" in msg and "mean distinct tokens per answer 1.0 < 3" in msg
+
+
+def test_degenerate_build_fails_and_keeps_the_previous_target(tmp_path, tiny_conversations):
+    out = tmp_path / "t"
+    first = ensure_demo_target(tiny_target_config(max_steps=3), out, conversations=tiny_conversations)
+    assert first["answers"]["degenerate"]  # 3 steps: one repeated token, saved since not gated
+    weights = _weights(out)
+    gated = tiny_target_config(max_steps=3, fail_on_degenerate=True)
+    with pytest.raises(DegenerateTargetError, match="demo target is degenerate"):
+        ensure_demo_target(gated, out, conversations=tiny_conversations)
+    # Nothing new saved: the previous target and its report are untouched, no temp dirs left.
+    assert _weights(out) == weights and json.loads((out / REPORT_FILE).read_text())["fingerprint"] == first["fingerprint"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
