@@ -12,6 +12,10 @@ Two failure scopes:
   sample into an error record): `max_consecutive_failures` failed attempts in a row on one server,
   or a request that used up its retries on a server that fails the probe as well. The probe keeps a
   server outage at low concurrency from being recorded as bad samples.
+
+Every request asks for the generated token ids (drafter.serving.engines.TOKEN_IDS_REQUEST);
+`ChatAnswer.token_ids` holds them as the engine returned them, or None from a server that
+returns none.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import httpx
 
 from drafter.backoff import backoff_delay
 from drafter.errors import DrafterError
+from drafter.serving.engines import TOKEN_IDS_REQUEST, answer_token_ids
 
 RETRY_STATUS = frozenset({408, 429})  # plus every 5xx
 PROBE_MESSAGES = [{"role": "user", "content": "Hello"}]
@@ -63,6 +68,7 @@ class ChatAnswer:
     completion_tokens: int
     server: str
     attempts: int
+    token_ids: list[int] | None = None  # the generated ids as the engine returned them; None: not returned
 
 
 @dataclass(frozen=True)
@@ -260,7 +266,8 @@ def _parse(resp: httpx.Response) -> _Outcome:
         return _Outcome(answer={"content": message.get("content") or "",
                                 "finish_reason": choice.get("finish_reason"),
                                 "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-                                "completion_tokens": int(usage.get("completion_tokens") or 0)})
+                                "completion_tokens": int(usage.get("completion_tokens") or 0),
+                                "token_ids": answer_token_ids(body)})
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
         # A 200 we cannot read is a server fault (proxy error page, truncated body): retry it.
         return _Outcome(reason="bad_response", detail=f"{type(err).__name__}: {err}; {_snippet(resp)}",
@@ -273,7 +280,7 @@ class ChatClient:
     def __init__(self, pool: ServerPool, *, model: str, temperature: float, max_tokens: int,
                  timeout_s: float, max_retries: int, backoff_base_s: float, backoff_max_s: float):
         self.pool = pool
-        self.params = {"model": model, "temperature": temperature, "max_tokens": max_tokens}
+        self.params = {"model": model, "temperature": temperature, "max_tokens": max_tokens, **TOKEN_IDS_REQUEST}
         self.timeout_s, self.max_retries = timeout_s, max_retries
         self.backoff_base_s, self.backoff_max_s = backoff_base_s, backoff_max_s
 
@@ -310,7 +317,7 @@ class ChatClient:
             if outcome.reason is None:
                 a = outcome.answer
                 return ChatAnswer(a["content"], a["finish_reason"], a["prompt_tokens"],
-                                  a["completion_tokens"], server.url, attempt)
+                                  a["completion_tokens"], server.url, attempt, a["token_ids"])
             if not outcome.retryable:
                 break
             if attempt > self.max_retries:

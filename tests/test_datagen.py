@@ -45,11 +45,16 @@ class FakeOpenAI:
     - `fail(body, attempt) -> status | None`: answer that status instead (attempt counts from 1 per prompt)
     - `die_after = k`: from request k+1 on the server is gone (connections dropped, port closed)
     - `hold_after = k`: requests after the k-th wait until `release()`
-    - `delay_s`: every answer takes this long (to have requests in flight together)."""
+    - `delay_s`: every answer takes this long (to have requests in flight together)
+    - `token_ids(content) -> ids | None`: the ids answered in `ids_field` (vLLM's `token_ids`, or
+      SGLang's `response_token_ids`) when the request asks `return_token_ids` (default: none, like
+      a generic OpenAI server)."""
 
     def __init__(self, delay_s: float = 0.0):
         self.delay_s = delay_s
         self.fail: Callable[[dict, int], int | None] = lambda body, attempt: None
+        self.token_ids: Callable[[str], list[int] | None] = lambda content: None
+        self.ids_field = "token_ids"
         self.die_after: int | None = None
         self.hold_after: int | None = None
         self.received: list[dict] = []
@@ -105,9 +110,10 @@ class FakeOpenAI:
                 return status, {"error": {"message": f"programmed {status}"}}, (
                     {"Retry-After": "0"} if status == 429 else {})
             content = fake_answer(body)
-            return 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": content},
-                "finish_reason": "stop"}],
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+            if body.get("return_token_ids") and (ids := self.token_ids(content)) is not None:
+                choice[self.ids_field] = ids
+            return 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [choice],
                 "usage": {"prompt_tokens": len(body["messages"]), "completion_tokens": len(content.split()),
                           "total_tokens": 0}}, {}
         finally:
@@ -466,6 +472,91 @@ def test_task_retries_only_transient_failures():
     assert not is_transient(ConfigError([("datagen.server_urls", "none")]))
     assert not is_transient(CorruptObject("k", "sha256 mismatch"))
     assert not is_transient(ValueError("a bug"))
+
+
+def test_the_servers_token_ids_reach_the_dump_and_a_retokenization_mismatch_warns(tmp_path, fakes, tiny_target,
+                                                                                   caplog):
+    """A server that answers ids which re-tokenising its text does not give (each character its
+    own token): the records keep the server's ids, the manifest and the summary report the low
+    agreement with a warning, and the dump stores exactly the server's ids as the answer tokens."""
+    from transformers import AutoTokenizer
+
+    from drafter.config import DumpConfig
+    from drafter.formats import iter_dump_samples
+    from drafter.stages import dump
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    eot_id = tok.convert_tokens_to_ids("<|eot_id|>")
+    as_chars = lambda text: [t for ch in text for t in tok(ch, add_special_tokens=False)["input_ids"]] + [eot_id]
+    fake = fakes()
+    fake.token_ids = as_chars
+    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"), [sharegpt(0, turns=2), sharegpt(1)],
+                   shard_size=8)
+    cfg = cfg.model_copy(update={"target": TargetConfig(path=str(tiny_target), name="fake-model")})
+    store = open_store(cfg.storage)
+    fp = prepared(cfg, store)
+    with caplog.at_level("WARNING", logger="drafter.stages.datagen"):
+        result = run_datagen(cfg, store, fp, [fake.url])
+    assert all(b["return_token_ids"] is True for b in fake.received)
+    assert not any("token_ids" in m for b in fake.received for m in b["messages"])  # history: text only
+    records = list(iter_generations(store, result.manifest))
+    answers = {r["id"]: [m for m in r["messages"] if m["role"] == "assistant"] for r in records}
+    assert all(m["token_ids"] == as_chars(m["content"]) for ms in answers.values() for m in ms)
+    meta = result.manifest.meta
+    ids = meta["token_ids"]
+    assert (ids["turns_with_ids"], ids["turns_without_ids"]) == (3, 0)
+    assert ids["measured_tokens"] == sum(len(m["token_ids"]) for ms in answers.values() for m in ms)
+    assert meta["retokenize_agreement"] == round(ids["same_tokens"] / ids["measured_tokens"], 4) < 0.95
+    assert any(line.startswith("WARNING: re-tokenizing the answers' text reproduces only") for line in result.summary)
+    assert any("reproduces only" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+    dump_cfg = cfg.model_copy(update={
+        "dump": DumpConfig(upstream="datagen", aux_layer_ids=[0, 1, 2], devices=["cpu"], max_length=512),
+        "train": cfg.train.model_copy(update={"draft_vocab_size": 256})})
+    dumped = dump.run(dump_cfg, store, upstream={"datagen": result.manifest.fingerprint})
+    assert dumped.manifest.meta["samples_from_token_ids"] == 2
+    for sample in iter_dump_samples(store, dumped.manifest, expect_aux_layer_ids=[0, 1, 2]):
+        learned = [t for t, m in zip(sample["input_ids"].tolist(), sample["loss_mask"].tolist()) if m]
+        assert learned == [t for m in answers[sample["id"]] for t in m["token_ids"]]
+
+
+def test_sglang_shaped_token_ids_are_kept_and_agreeing_ids_do_not_warn(tmp_path, fakes, tiny_target):
+    """SGLang answers the ids in `response_token_ids`; ids equal to the text's own tokens agree fully."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    fake = fakes()
+    fake.ids_field = "response_token_ids"
+    fake.token_ids = lambda content: tok(content, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"), [sharegpt(0, turns=2)], shard_size=8)
+    cfg = cfg.model_copy(update={"target": TargetConfig(path=str(tiny_target), name="fake-model")})
+    store = open_store(cfg.storage)
+    result = run_datagen(cfg, store, prepared(cfg, store), [fake.url])
+    answers = [m for r in iter_generations(store, result.manifest) for m in r["messages"] if m["role"] == "assistant"]
+    assert [m["token_ids"] for m in answers] == [fake.token_ids(m["content"]) for m in answers]
+    meta = result.manifest.meta
+    assert meta["retokenize_agreement"] == 1.0 and meta["token_ids"]["turns_without_ids"] == 0
+    assert not any(line.startswith("WARNING") for line in result.summary)
+    assert "token ids recorded for 2 of 2 answers; re-tokenization agreement 100.0%" in result.summary
+
+
+def test_a_server_without_token_ids_still_works_and_the_fallback_is_warned(tmp_path, fakes, caplog):
+    """A generic OpenAI server ignores `return_token_ids`: records have text only, the dump will
+    re-tokenise them, and the stage says so (without needing the target's tokenizer)."""
+    fake = fakes()
+    cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/store"), [sharegpt(0, turns=2), sharegpt(1)],
+                   shard_size=8)
+    store = open_store(cfg.storage)
+    with caplog.at_level("WARNING", logger="drafter.stages.datagen"):
+        result = run_datagen(cfg, store, prepared(cfg, store), [fake.url])
+    assert not any("token_ids" in m for r in iter_generations(store, result.manifest) for m in r["messages"])
+    meta = result.manifest.meta
+    assert meta["token_ids"] == {"turns_with_ids": 0, "turns_without_ids": 3, "measured_tokens": 0, "same_tokens": 0}
+    assert meta["retokenize_agreement"] is None
+    assert any(line.startswith("WARNING: 3 of 3 answers came without token ids") for line in result.summary)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("falls back to re-tokenizing" in w for w in warnings)
+    assert not any("tokenizer" in w for w in warnings)  # nothing to measure: never loaded
 
 
 def test_reference_engine_on_tiny_target(tmp_path, tiny_target):

@@ -445,3 +445,34 @@ def test_eval_split_is_dumped_into_its_own_shards(tmp_path, tiny_target, convs):
     train = [s["id"] for s in iter_dump_samples(store, result.manifest, expect_aux_layer_ids=AUX)]
     assert sorted(held_out) == sorted(c["id"] for c in convs[5:8])
     assert sorted(train) == sorted(c["id"] for c in convs[:5])
+
+
+def test_recorded_token_ids_are_fed_as_they_are_and_records_without_them_are_retokenised(tmp_path, tiny_target,
+                                                                                         convs, hf):
+    """A datagen record whose answers carry `token_ids` is dumped with exactly those ids; one
+    without (older generations) re-tokenises its text as before; ids that are not ids are a bad record."""
+    _, tok = hf
+    eot_id = tok.convert_tokens_to_ids("<|eot_id|>")
+    # each answer emitted one character at a time: not what BPE re-tokenises the text to
+    as_chars = lambda text: [t for ch in text.strip() for t in tok(ch, add_special_tokens=False)["input_ids"]]
+    answers = {k: as_chars(m["content"]) + [eot_id] for k, m in enumerate(convs[0]["messages"]) if m["role"] == "assistant"}
+    with_ids = {**convs[0], "messages": [{**m, "token_ids": answers[k]} if k in answers else m
+                                         for k, m in enumerate(convs[0]["messages"])]}
+    bad = {**convs[2], "messages": [{**m, "token_ids": "12 13"} if m["role"] == "assistant" else m
+                                    for m in convs[2]["messages"]]}
+    store = FileStore(tmp_path / "store")
+    gen = StageOutput(store, "datagen", "gen00000")
+    gen.write_shard("gen-00000.jsonl", to_jsonl([with_ids, convs[1], bad]))
+    gen.commit({})
+    result = run_dump(make_cfg(tiny_target, max_length=10_000), store, "datagen", "gen00000")
+    samples = {s["id"]: s for s in iter_dump_samples(store, result.manifest, expect_aux_layer_ids=AUX)}
+    learned = lambda ids, mask: [t for t, m in zip(ids, mask) if m]
+    exact = samples[with_ids["id"]]
+    # the recorded ids, nothing re-tokenised (which would have given other tokens)
+    assert learned(exact["input_ids"].tolist(), exact["loss_mask"].tolist()) == sum(answers.values(), [])
+    assert learned(*tokenize_conversation(tok, convs[0]["messages"], 10_000)) != sum(answers.values(), [])
+    ids, mask = tokenize_conversation(tok, convs[1]["messages"], 10_000)
+    assert samples[convs[1]["id"]]["input_ids"].tolist() == ids and samples[convs[1]["id"]]["loss_mask"].tolist() == mask
+    meta = result.manifest.meta
+    assert meta["samples_from_token_ids"] == 1 and meta["quarantined"]["by_reason"] == {"bad_record": 1}
+    assert any("1 samples from the target's own token ids" in line for line in result.summary)

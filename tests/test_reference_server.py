@@ -226,6 +226,30 @@ def test_generate_text_batch_and_openai_endpoints(main_server):
     assert sampled == {**sampled, "output_ids": _generate(url, [0, 150], 10, temperature=0.8, seed=5)["output_ids"]}
 
 
+def test_chat_returns_the_generated_token_ids_in_vllms_fields(main_server, models):
+    """`return_token_ids`: the ids the engine generated (what /generate gives for the same prompt,
+    the stop token included) and the template's prompt ids, where vLLM puts them."""
+    from transformers import AutoTokenizer
+
+    url = main_server.url
+    messages = [{"role": "user", "content": "Hi"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 512, "temperature": 0}
+    chat = httpx.post(url + "/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=120).json()
+    choice = chat["choices"][0]
+    tok = AutoTokenizer.from_pretrained(models["succ_target"])
+    prompt = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False).input_ids
+    assert chat["prompt_token_ids"] == prompt
+    assert choice["token_ids"] == _generate(url, prompt, 512)["output_ids"]
+    # the successor target counts up to 400, then stops on its eos (4): the stop token is returned
+    assert choice["token_ids"][-2:] == [400, 4] and choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == tok.decode(choice["token_ids"], skip_special_tokens=True)
+    assert chat["usage"]["completion_tokens"] == len(choice["token_ids"])
+    plain = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
+    assert plain["choices"][0]["message"] == choice["message"]
+
+
 def test_accept_length_reported_equals_client_computation(main_server):
     url = main_server.url
     assert httpx.post(url + "/flush_cache").status_code == 200

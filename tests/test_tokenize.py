@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from drafter.demo_target import CHAT_TEMPLATE, EOT
-from drafter.tokenize import (end_of_turn_ids, has_generation_markers, template_hash, tokenize_conversation,
-                              tokenizer_hash)
+from drafter.tokenize import (conversation_tokens, end_of_turn_ids, has_generation_markers, retokenize_agreement,
+                              template_hash, tokenize_conversation, tokenizer_hash)
 
 NO_MARKERS = CHAT_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
 # ChatML-like layout: a newline after every end-of-turn token (not generated, so never masked).
@@ -124,3 +124,96 @@ def test_provenance_hashes(tokenizer):
     assert template_hash(other) != template_hash(tokenizer)
     again.add_special_tokens({"additional_special_tokens": ["<|new|>"]})
     assert tokenizer_hash(again) != tokenizer_hash(tokenizer)
+
+
+# ---- the engine's recorded ids (datagen's `token_ids`)
+
+# Earlier answers are rendered as "[old]" (like templates that drop old reasoning): the prompt of a
+# later turn does not extend the earlier one, so there is no single sequence to feed the ids into.
+DROPS_OLD_ANSWERS = (
+    "{{- bos_token }}{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if m['role'] == 'assistant' and not loop.last %}{{- '[old]<|eot_id|>' }}"
+    "{%- else %}{{- m['content'] | trim + '<|eot_id|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+def with_ids(messages: list[dict], answers: list[list[int]]) -> list[dict]:
+    """The messages with each assistant turn carrying the given ids, in order."""
+    it = iter(answers)
+    return [{**m, "token_ids": next(it)} if m["role"] == "assistant" else m for m in messages]
+
+
+def char_ids(tok, text: str) -> list[int]:
+    """`text` one character at a time: what a target may emit, never what BPE re-tokenises to."""
+    return [t for ch in text for t in tok(ch, add_special_tokens=False)["input_ids"]]
+
+
+@pytest.mark.parametrize("template", ["markers", "no_markers", "newline_after_eot", "eot_outside_block"])
+@pytest.mark.parametrize("engine_returns_stop_token", [True, False])
+def test_ids_equal_to_the_text_give_the_text_paths_answers(tokenizer, conversations, template,
+                                                           engine_returns_stop_token):
+    """Ids that are the text's own tokens change nothing the drafter learns: same answer tokens,
+    same text, mask on content and end of turn, whether or not the engine returned its stop token."""
+    tok = {"markers": tokenizer, "no_markers": with_template(tokenizer, NO_MARKERS),
+           "newline_after_eot": with_template(tokenizer, NEWLINE_AFTER_EOT),
+           "eot_outside_block": with_template(tokenizer, EOT_OUTSIDE_BLOCK)}[template]
+    eot = end_of_turn_ids(tok)
+    for messages in conversations:
+        text_ids, text_mask, exact = conversation_tokens(tok, messages, eot)
+        assert not exact  # no ids: re-tokenised, as before
+        spans = masked_spans(text_ids, text_mask)
+        answers = spans if engine_returns_stop_token else [s[:-1] for s in spans]
+        ids, mask, exact = conversation_tokens(tok, with_ids(messages, answers), eot)
+        assert exact and len(ids) == len(mask)
+        assert masked_spans(ids, mask) == spans
+        assert tok.decode(ids) == tok.decode(text_ids)
+        # the first prompt is the template's generation prompt, tokenised as an engine tokenises it
+        prompt = tok(tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+        assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])
+
+
+def test_the_engines_ids_are_kept_where_re_tokenising_would_merge_them(tokenizer, conversations):
+    eot_id = tokenizer.convert_tokens_to_ids(EOT)
+    eot = end_of_turn_ids(tokenizer)
+    messages = conversations[0]
+    answers = [char_ids(tokenizer, m["content"].strip()) + [eot_id] for m in messages if m["role"] == "assistant"]
+    ids, mask, exact = conversation_tokens(tokenizer, with_ids(messages, answers), eot)
+    assert exact and masked_spans(ids, mask) == answers
+    assert tokenize_conversation(tokenizer, with_ids(messages, answers), 10_000) == (ids, mask)
+    retokenised = masked_spans(*tokenize_conversation(tokenizer, messages, 10_000))
+    assert retokenised != answers  # BPE merges characters: the text alone would have been wrong
+    tokens, same = retokenize_agreement(tokenizer, with_ids(messages, answers), eot)
+    assert tokens == sum(map(len, answers)) and same < tokens
+    # ids that ARE the text's tokens agree fully
+    assert retokenize_agreement(tokenizer, with_ids(messages, retokenised), eot) == (sum(map(len, retokenised)),) * 2
+
+
+def test_agreement_counts_the_tokens_re_tokenising_reproduces(tokenizer):
+    """One answer token emitted as its characters: every other token still agrees, in order."""
+    eot = end_of_turn_ids(tokenizer)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the answer is forty two"}]
+    span = masked_spans(*tokenize_conversation(tokenizer, messages, 10_000))[0]
+    i = next(k for k, t in enumerate(span[:-1]) if len(tokenizer.decode([t])) > 1
+             and not set(char_ids(tokenizer, tokenizer.decode([t]))) & set(span))
+    chars = char_ids(tokenizer, tokenizer.decode([span[i]]))
+    answer = span[:i] + chars + span[i + 1:]
+    assert retokenize_agreement(tokenizer, with_ids(messages, [answer]), eot) == (len(answer), len(span) - 1)
+
+
+def test_records_without_ids_everywhere_or_with_a_template_that_rewrites_history_are_retokenised(
+        tokenizer, conversations):
+    eot = end_of_turn_ids(tokenizer)
+    messages = conversations[0]
+    answers = [char_ids(tokenizer, m["content"].strip()) for m in messages if m["role"] == "assistant"]
+    text = tokenize_conversation(tokenizer, messages, 10_000)
+    partial = with_ids(messages, answers)
+    del next(m for m in partial if m["role"] == "assistant")["token_ids"]
+    assert conversation_tokens(tokenizer, partial, eot) == (*text, False)  # one rule per sample
+    assert retokenize_agreement(tokenizer, partial, eot) is None
+    rewrites = with_template(tokenizer, DROPS_OLD_ANSWERS)
+    ids, mask, exact = conversation_tokens(rewrites, with_ids(messages, answers), eot)
+    assert not exact and (ids, mask) == tokenize_conversation(rewrites, messages, 10_000)
+    assert retokenize_agreement(rewrites, with_ids(messages, answers), eot) is None

@@ -93,6 +93,34 @@ def test_acceptance_comes_from_real_counter_deltas(server):
     assert resp.json()["usage"]["completion_tokens"] == 33
 
 
+def test_chat_answers_carry_vllms_own_token_ids_through_our_client(server, exported):
+    """datagen's client asks `return_token_ids`; vLLM answers the ids it generated, stop token included."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from drafter.openai_client import ChatClient, ServerPool
+    from tests.test_speculative import EOS, succ_map
+
+    cfg, _, served = server
+    messages = [{"role": "user", "content": "Hi"}]
+
+    async def ask():
+        async with ServerPool([served.base_url], 1, 4, 300) as pool:
+            client = ChatClient(pool, model=cfg.target.served_name, temperature=0.0, max_tokens=256, timeout_s=300,
+                                max_retries=0, backoff_base_s=0.1, backoff_max_s=0.1)
+            return await client.chat(messages)
+    answer = asyncio.run(ask())
+    tok = AutoTokenizer.from_pretrained(exported[0])
+    prompt = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False).input_ids
+    step, expected = succ_map(len(tok)), [prompt[-1]]
+    while expected[-1] != EOS and len(expected) <= 256:  # the crafted target walks its successor map
+        expected.append(step[expected[-1]])
+    assert answer.finish_reason == "stop" and answer.token_ids == expected[1:] and answer.token_ids[-1] == EOS
+    assert answer.content == tok.decode(answer.token_ids, skip_special_tokens=True)
+
+
 def test_an_sglang_format_drafter_or_wrong_ids_are_refused_before_launch(exported, vllm_py, tmp_path):
     target, sglang_dir, vllm_dir = exported
     cfg = _cfg(target, vllm_py, tmp_path, speculative={"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4})

@@ -9,6 +9,8 @@ behind SGLang-compatible flags, start-up log lines and endpoints (contract secti
 Start-up follows SGLang's order: weights -> KV cache -> HTTP server -> warmup generation -> ready.
 The port is only bound after loading, so it refuses connections while the model loads. Requests are
 served one at a time by the engine (a lock), which keeps per-request accounting exact.
+`/v1/chat/completions` with `return_token_ids: true` also answers the generated ids and the prompt
+ids in vLLM's fields (`choices[0].token_ids`, `prompt_token_ids`), so one client reads both.
 
 Faults (tests of the readiness gate; all off by default) act at the start of a phase:
   hang      no progress and no log line ever again; the process stays alive
@@ -508,13 +510,20 @@ def build_app(state: ServerState):
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise BadRequest("'messages' must be a non-empty list")
-            text, _, meta = run_generation(state, _chat_ids(state, messages), params, default_max=16 * 1024)
-            return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                    "created": int(time.time()), "model": state.served_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": _openai_finish(meta),
-                                 "matched_stop": meta["finish_reason"].get("matched")}],
-                    "usage": usage([meta])}
+            prompt_ids = _chat_ids(state, messages)
+            text, ids, meta = run_generation(state, prompt_ids, params, default_max=16 * 1024)
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": _openai_finish(meta),
+                      "matched_stop": meta["finish_reason"].get("matched")}
+            answer = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                      "created": int(time.time()), "model": state.served_name, "choices": [choice],
+                      "usage": usage([meta])}
+            if body.get("return_token_ids"):
+                # vLLM's fields and shape (drafter.serving.engines.answer_token_ids): the generated
+                # ids as sampled, the stop token included, and the prompt the template gave.
+                choice["token_ids"] = list(ids)
+                answer["prompt_token_ids"] = prompt_ids
+            return answer
         return guarded(work)
 
     return app

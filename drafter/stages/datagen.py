@@ -4,7 +4,11 @@ Output (`datagen/<fingerprint>/`):
 - `gen-00000.jsonl`, ...: one record per conversation, in prepared order:
   `{"id", "messages", "source_id", "finish_reasons", "usage": {"prompt_tokens", "completion_tokens"},
   "gen": {"model", "temperature", "max_tokens", "server"}}` (`id` == `source_id`: one generation per
-  prompt; `server` answered the last turn);
+  prompt; `server` answered the last turn). Each assistant message is `{"role", "content"}` plus
+  `"token_ids"`: the ids the engine generated for it, as returned (the stop token included when the
+  engine returns it), present only when the server returned ids (drafter.serving.engines
+  `answer_token_ids`). The dump trains on these ids and re-tokenises only records without them
+  (drafter.tokenize); records written before ids were recorded simply have none;
 - `errors-00000.jsonl`, ...: `{"id", "reason", "attempts", "server", "turn", "detail"}` for the
   conversations of that shard that could not be generated (only written when there are some).
 
@@ -21,6 +25,18 @@ the referenced ones). `conversation-keys.jsonl` lists each shard's conversation 
 
 Multi-turn conversations are regenerated turn by turn: turn k is asked with the history holding the
 target's OWN earlier answers (the original answers are dropped), as the drafter will see at serving.
+
+Re-tokenisation check (manifest `token_ids` and `retokenize_agreement`, per split): `token_ids`
+counts the answers (assistant turns) with and without ids; `retokenize_agreement` is, over the
+answers whose conversation carries ids, the fraction of the answer tokens the dump trains on (the
+returned ids, plus the template's end of turn where the engine did not return its stop token) that
+re-tokenising the text with the target's chat template reproduces, matched turn by turn as in-order
+blocks (drafter.tokenize.retokenize_agreement); null when nothing could be measured (no ids, or the
+target's tokenizer is not loadable where datagen runs). It is the diagnostic of what the text
+alone would have given. The stage warns (log + summary line) when it is below
+RETOKENIZE_WARN_BELOW (the dump uses the ids, so the warning says the text would have been wrong),
+and when answers came without ids (the dump re-tokenises those: the drafter then trains on
+sequences the target may not emit).
 """
 from __future__ import annotations
 
@@ -44,10 +60,13 @@ from drafter.stage_output import EmptyOutput, Progress, ShardInfo, StageOutput, 
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore
 from drafter.target_identity import target_identity
+from drafter.tokenize import TOKEN_IDS, end_of_turn_ids, has_token_ids, retokenize_agreement
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+RETOKENIZE_WARN_BELOW = 0.95  # retokenize_agreement under this: the text would have trained wrong sequences
 
 
 def _settings(cfg: LifecycleConfig) -> dict:
@@ -99,7 +118,45 @@ class _Shard:
         self.remaining -= 1
 
 
-def shard_meta(records: list[dict], errors: list[dict]) -> dict[str, Any]:
+class RetokenizeCheck:
+    """Counts, per shard, the answers with ids and how many of their tokens re-tokenising the text
+    reproduces, with the target's tokenizer. It is loaded on first use (a run whose servers return
+    no ids never needs it); one that cannot be loaded leaves the share unmeasured, with one warning.
+    Used by one thread at a time (shards are written one after the other)."""
+
+    def __init__(self, cfg: LifecycleConfig):
+        self.path, self.trust_remote_code = cfg.target.path, cfg.target.trust_remote_code
+        self._tokenizer: Any = None
+        self._eot_ids: set[int] = set()
+        self._failed = False
+
+    def _load(self) -> Any:
+        if self._tokenizer is None and not self._failed:
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+                self._eot_ids = end_of_turn_ids(self._tokenizer)
+            except Exception as err:  # a diagnostic must not stop the stage
+                self._failed = True
+                log.warning("datagen: re-tokenization agreement not measured: the target's tokenizer at %s "
+                            "could not be loaded (%s)", self.path, err)
+        return self._tokenizer
+
+    def counts(self, records: list[dict]) -> dict[str, int]:
+        with_ids = [r for r in records if has_token_ids(r["messages"])]
+        out = {"turns_with_ids": sum(m["role"] == "assistant" for r in with_ids for m in r["messages"]),
+               "measured_tokens": 0, "same_tokens": 0}
+        tokenizer = self._load() if with_ids else None
+        for record in with_ids if tokenizer is not None else []:
+            got = retokenize_agreement(tokenizer, record["messages"], self._eot_ids)
+            if got is not None:
+                out["measured_tokens"] += got[0]
+                out["same_tokens"] += got[1]
+        return out
+
+
+def shard_meta(records: list[dict], errors: list[dict], check: RetokenizeCheck) -> dict[str, Any]:
     """Per-shard counts, stored in the shard's marker; the manifest sums them over all shards
     (including shards a killed earlier run wrote)."""
     return {
@@ -109,13 +166,16 @@ def shard_meta(records: list[dict], errors: list[dict]) -> dict[str, Any]:
         "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in records),
         "completion_tokens": sum(r["usage"]["completion_tokens"] for r in records),
         "finish_reasons": dict(sorted(Counter(f for r in records for f in r["finish_reasons"]).items())),
+        "token_ids": check.counts(records),
     }
 
 
-def _write_shard_files(out: StageOutput, shard: _Shard, records: list[dict], errors: list[dict]) -> None:
+def _write_shard_files(out: StageOutput, shard: _Shard, records: list[dict], errors: list[dict],
+                       check: RetokenizeCheck) -> None:
     if errors:
         out.write_shard(shard.error_name, to_jsonl(errors), meta={"rows": len(errors)})
-    out.write_shard(shard.name, to_jsonl(records), meta={**shard_meta(records, errors), "input_digest": shard.digest})
+    out.write_shard(shard.name, to_jsonl(records),
+                    meta={**shard_meta(records, errors, check), "input_digest": shard.digest})
 
 
 # ------------------------------------------------------------------------------- the async run
@@ -127,8 +187,9 @@ class _Generation:
     `window` shards ahead of the writer, so memory stays bounded and shards land in order."""
 
     def __init__(self, out: StageOutput, client: ChatClient, shards: list[_Shard], workers: int,
-                 window: int, gen_info: dict, progress: Progress | None, done_before: int, total: int):
-        self.out, self.client, self.shards = out, client, shards
+                 window: int, gen_info: dict, progress: Progress | None, done_before: int, total: int,
+                 check: RetokenizeCheck):
+        self.out, self.client, self.shards, self.check = out, client, shards, check
         self.n_workers, self.gen_info = workers, gen_info
         self.progress, self.done, self.total = guarded_progress(progress, STAGE), done_before, total
         self.jobs: asyncio.Queue = asyncio.Queue(maxsize=workers)
@@ -211,13 +272,14 @@ class _Generation:
         shard.records = shard.errors = []  # free the memory; the store holds them now
 
     def _write_files(self, shard: _Shard, records: list[dict], errors: list[dict]) -> None:
-        _write_shard_files(self.out, shard, records, errors)
+        _write_shard_files(self.out, shard, records, errors, self.check)
 
     # ---- one conversation
 
     async def _regenerate(self, conversation: dict) -> tuple[dict | None, dict | None]:
         """(record, None) or (None, error record)."""
-        history: list[dict] = []
+        history: list[dict] = []  # what the next turn is asked with: text only
+        kept: list[dict] = []     # what the record keeps: the answers with their ids
         finish_reasons: list[str | None] = []
         prompt_tokens = completion_tokens = 0
         server = None
@@ -225,6 +287,7 @@ class _Generation:
             if message["role"] == "assistant":
                 continue  # dropped: the target writes its own answer below
             history.append({"role": message["role"], "content": message["content"]})
+            kept.append(history[-1])
             if message["role"] != "user":
                 continue
             try:
@@ -233,13 +296,14 @@ class _Generation:
                 return None, {"id": conversation["id"], "reason": err.reason, "attempts": err.attempts,
                               "server": err.server, "turn": len(finish_reasons), "detail": err.detail[:500]}
             history.append({"role": "assistant", "content": answer.content})
+            kept.append(history[-1] if answer.token_ids is None else {**history[-1], TOKEN_IDS: answer.token_ids})
             finish_reasons.append(answer.finish_reason)
             prompt_tokens += answer.prompt_tokens
             completion_tokens += answer.completion_tokens
             server = answer.server
             self.requests += 1
             self.completion_tokens += answer.completion_tokens
-        return {"id": conversation["id"], "messages": history, "source_id": conversation["id"],
+        return {"id": conversation["id"], "messages": kept, "source_id": conversation["id"],
                 "finish_reasons": finish_reasons,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
                 "gen": {**self.gen_info, "server": server}}, None
@@ -264,7 +328,8 @@ class _Generation:
 
 
 async def _generate(out: StageOutput, cfg: LifecycleConfig, shards: list[_Shard], server_urls: list[str],
-                    progress: Progress | None, done_before: int, total: int) -> dict[str, Any]:
+                    progress: Progress | None, done_before: int, total: int,
+                    check: RetokenizeCheck) -> dict[str, Any]:
     d = cfg.datagen
     async with ServerPool(server_urls, d.concurrency_per_server, d.max_consecutive_failures,
                           d.request_timeout_s) as pool:
@@ -277,7 +342,7 @@ async def _generate(out: StageOutput, cfg: LifecycleConfig, shards: list[_Shard]
                             max_tokens=d.max_tokens, timeout_s=d.request_timeout_s, max_retries=d.max_retries,
                             backoff_base_s=d.backoff_base_s, backoff_max_s=d.backoff_max_s)
         gen_info = {"model": cfg.target.served_name, "temperature": d.temperature, "max_tokens": d.max_tokens}
-        run = _Generation(out, client, shards, workers, window, gen_info, progress, done_before, total)
+        run = _Generation(out, client, shards, workers, window, gen_info, progress, done_before, total, check)
         await run.run()
     return {**run.figures(), "servers": pool.stats()}
 
@@ -300,15 +365,22 @@ def _counts(metas: list[dict]) -> dict[str, Any]:
     total: Counter = Counter()
     errors_by_reason: Counter = Counter()
     finish_reasons: Counter = Counter()
+    ids: Counter = Counter()
     for m in metas:
         total.update({k: m[k] for k in ("conversations", "generated", "errors", "turns",
                                         "prompt_tokens", "completion_tokens")})
         errors_by_reason.update(m["errors_by_reason"])
         finish_reasons.update(m["finish_reasons"])
+        ids.update(m.get("token_ids") or {})  # shards written before ids were recorded have none
+    measured = ids["measured_tokens"]
     return {**{k: total[k] for k in ("conversations", "generated", "errors", "turns", "prompt_tokens",
                                      "completion_tokens")},
             "errors_by_reason": dict(sorted(errors_by_reason.items())),
-            "finish_reasons": dict(sorted(finish_reasons.items()))}
+            "finish_reasons": dict(sorted(finish_reasons.items())),
+            "token_ids": {"turns_with_ids": ids["turns_with_ids"],
+                          "turns_without_ids": total["turns"] - ids["turns_with_ids"],
+                          "measured_tokens": measured, "same_tokens": ids["same_tokens"]},
+            "retokenize_agreement": round(ids["same_tokens"] / measured, 4) if measured else None}
 
 
 def _manifest_meta(cfg: LifecycleConfig, shards: dict[str, ShardInfo], plan: dict[str, list[str]],
@@ -386,16 +458,17 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
               "copied_conversations": sum(len(s.conversations) - s.remaining for s in shards),
               "asked_conversations": sum(s.remaining for s in todo)}
     this_run: dict[str, Any] = {}
+    check = RetokenizeCheck(cfg)
     _drop_unplanned(out, done, plan, todo)
     for shard in [s for s in todo if not s.remaining]:  # every answer copied: nothing to ask
-        _write_shard_files(out, shard, list(shard.records), [])
+        _write_shard_files(out, shard, list(shard.records), [], check)
     todo = [s for s in todo if s.remaining]
     if todo:
         if resumed:
             log.info("datagen: resuming %s, %d of %d shards already done", out.uri, resumed, len(shards))
         total = sum(len(s.conversations) for s in shards)
         done_before = total - sum(len(s.conversations) for s in todo)
-        generate = lambda urls: _run_sync(_generate(out, cfg, todo, urls, progress, done_before, total))
+        generate = lambda urls: _run_sync(_generate(out, cfg, todo, urls, progress, done_before, total, check))
         this_run = _with_servers(cfg, generate, on_line)
     # The keys of what each shard really holds (a conversation that failed is not in it).
     linked_keys = {name: link.keys for name, link in links}
@@ -464,11 +537,42 @@ def _with_servers(cfg: LifecycleConfig, generate, on_line) -> dict[str, Any]:
             raise
 
 
+def token_id_warnings(meta: dict[str, Any]) -> list[str]:
+    """What the train split's ids say about training on re-tokenised text (empty: nothing to warn)."""
+    ids = meta.get("token_ids") or {"turns_with_ids": 0, "turns_without_ids": meta["turns"]}
+    agreement = meta.get("retokenize_agreement")
+    warnings = []
+    if agreement is not None and agreement < RETOKENIZE_WARN_BELOW:
+        warnings.append(f"re-tokenizing the answers' text reproduces only {agreement:.1%} of the "
+                        f"{ids['measured_tokens']} answer tokens the target generated (below "
+                        f"{RETOKENIZE_WARN_BELOW:.0%}): text alone would have been wrong; the dump trains on the "
+                        f"returned token ids")
+    if ids["turns_without_ids"]:
+        warnings.append(f"{ids['turns_without_ids']} of {ids['turns_with_ids'] + ids['turns_without_ids']} answers "
+                        f"came without token ids (the server returned none): the dump falls back to re-tokenizing "
+                        f"their text, and the drafter will train on token sequences the target may not emit")
+    return warnings
+
+
+def _token_id_line(meta: dict[str, Any]) -> str | None:
+    ids, agreement = meta.get("token_ids") or {}, meta.get("retokenize_agreement")
+    if not ids.get("turns_with_ids"):
+        return None
+    share = f"{agreement:.1%}" if agreement is not None else "not measured"
+    return (f"token ids recorded for {ids['turns_with_ids']} of {ids['turns_with_ids'] + ids['turns_without_ids']} "
+            f"answers; re-tokenization agreement {share}")
+
+
 def _result(out: StageOutput, skipped: bool) -> StageResult:
     meta = out.manifest.meta
     t = meta.get("throughput") or {}
     summary = [f"{meta['generated']} of {meta['conversations']} conversations generated, {meta['errors']} "
                f"errors {meta['errors_by_reason']}"]
+    if (line := _token_id_line(meta)) is not None:
+        summary.append(line)
+    for warning in token_id_warnings(meta):
+        log.warning("datagen %s: %s", out.uri, warning)
+        summary.append(f"WARNING: {warning}")
     if t.get("requests"):
         summary.append(f"{t['requests_per_s']:.2f} req/s, {t['tokens_per_s']:.1f} tok/s this run "
                        f"({', '.join(s['url'] for s in t.get('servers') or [])})")
@@ -479,7 +583,7 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
                        f"{r['asked_conversations']} conversations asked")
     rows = [{"metric": k, "value": str(meta[k])} for k in (
         "conversations", "generated", "errors", "errors_by_reason", "turns", "completion_tokens",
-        "finish_reasons", "shards", "resumed_shards")]
+        "finish_reasons", "token_ids", "retokenize_agreement", "shards", "resumed_shards") if k in meta]
     rows.append({"metric": "eval", "value": f"{meta['eval']['generated']} of {meta['eval']['conversations']} "
                                             f"held-out conversations generated"})
     rows += [{"metric": f"throughput.{k}", "value": str(v)} for k, v in t.items() if k != "servers"]

@@ -13,6 +13,12 @@ recomputes only the shards that were not verified yet, with the same float opera
 are byte-identical to an uninterrupted run's (tested on CPU; seen on 2 x H200 for the same GPU
 model, see capture.warm_up_device).
 
+Tokens: a datagen record whose answers carry `token_ids` (the ids the engine generated) is fed
+exactly those ids after the template's prompt for each turn; a record without them (older
+generations, servers that return none, `dump.upstream: prepare`) is re-tokenised from its text, as
+before (drafter.tokenize). Each shard's marker counts its samples `from_token_ids`; the manifest
+sums them (`samples_from_token_ids`).
+
 Fingerprint: what determines the bytes' meaning (upstream, target, tokenizer, chat template, aux
 ids + convention, resolved dtype, max_length, samples_per_shard, format version). Left out on
 purpose: devices, tokens_per_batch, spool_dir, upload_queue, upload_threads, tokenize_processes. tokens_per_batch and
@@ -43,7 +49,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import sys
 import tempfile
 import threading
 from collections import Counter, deque
@@ -68,7 +73,7 @@ from drafter.stage_output import Progress, ShardInfo, StageOutput, StageResult, 
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore
 from drafter.target_identity import target_fingerprint
-from drafter.tokenize import end_of_turn_ids, template_hash, tokenize_conversation, tokenizer_hash
+from drafter.tokenize import TOKEN_IDS, conversation_tokens, end_of_turn_ids, template_hash, tokenizer_hash, valid_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +163,7 @@ def _check_record(rec) -> str | None:
     msgs = rec.get("messages")
     if not isinstance(msgs, list) or not msgs or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in msgs):
+            and (TOKEN_IDS not in m or valid_token_ids(m[TOKEN_IDS])) for m in msgs):
         return "bad_record"
     return None
 
@@ -176,19 +181,21 @@ class TokenizedShard:
     quarantined: list[dict]
     truncated: int
     input_digest: str = ""  # drafter.reuse.records_digest of the records (what a later dump can reference)
+    from_token_ids: int = 0  # samples built from the engine's recorded ids (the others re-tokenised)
 
 
 def tokenize_shard(tokenizer, max_length: int, index: int, records: list[dict],
                    split: str = "train") -> TokenizedShard:
-    """Tokenise one shard's records (cut to `max_length`); bad records, template errors and
-    answerless samples are quarantined."""
-    samples, quarantined, truncated = [], [], 0
+    """Tokenise one shard's records (cut to `max_length`): the engine's recorded ids where a record
+    has them, else its text (drafter.tokenize); bad records, template errors and answerless samples
+    are quarantined."""
+    samples, quarantined, truncated, exact = [], [], 0, 0
     eot_ids = end_of_turn_ids(tokenizer)  # once per shard, not per sample
     for pos, rec in enumerate(records):
         reason = _check_record(rec)
         if reason is None:
             try:
-                ids, mask = tokenize_conversation(tokenizer, rec["messages"], sys.maxsize, eot_ids)
+                ids, mask, from_ids = conversation_tokens(tokenizer, rec["messages"], eot_ids)
             except Exception as e:  # a template that rejects this conversation (roles, order)
                 log.warning("sample %s: chat template failed: %s", rec.get("id"), e)
                 reason = "template_error"
@@ -202,7 +209,8 @@ def tokenize_shard(tokenizer, max_length: int, index: int, records: list[dict],
             quarantined.append({"id": str(rid) if rid is not None else f"#{where}", "reason": reason})
             continue
         samples.append((str(rec["id"]), ids, mask))
-    return TokenizedShard(index, split, samples, quarantined, truncated, reuse.records_digest(records))
+        exact += from_ids
+    return TokenizedShard(index, split, samples, quarantined, truncated, reuse.records_digest(records), exact)
 
 
 _PROCESS_TOKENIZER = None  # a tokenizer process's own copy
@@ -276,6 +284,7 @@ class ShardBuild:
         return {"index": self.tok.index, "split": self.tok.split, "input_digest": self.tok.input_digest,
                 "samples": len(self.writer),
                 "tokens": self.writer.num_tokens, "loss_tokens": self.loss_tokens, "truncated": self.tok.truncated,
+                "from_token_ids": self.tok.from_token_ids,
                 "quarantined": self.tok.quarantined, "batches": len(self.batches), "device": str(self.cm.device),
                 "tokens_per_batch": dump.tokens_per_batch, "backend": getattr(self.cm, "backend", "hf")}
 
@@ -480,6 +489,9 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
     summary = [f"{meta['num_samples']} samples, {meta['num_tokens']} tokens ({meta['num_loss_tokens']} with loss), "
                f"{q['total']} quarantined {q['by_reason'] or ''}; {meta['bytes_per_token']:.0f} bytes/token; "
                f"storage: {meta['storage_projection']}"]
+    if "samples_from_token_ids" in meta:
+        summary.append(f"{meta['samples_from_token_ids']} samples from the target's own token ids, the others "
+                       f"re-tokenized from text")
     r = meta.get("reuse") or {}
     if r.get("linked_shards"):
         summary.append(f"reused from earlier dumps: {r['linked_shards']} shards referenced ({r['linked_records']} "
@@ -533,6 +545,9 @@ def summarize(plan: DumpPlan, shards: list[ShardInfo], eval_shards: list[ShardIn
         "num_tokens": tokens,
         "num_loss_tokens": sum(s.meta["loss_tokens"] for s in shards),
         "truncated": sum(s.meta["truncated"] for s in shards),
+        # samples tokenised from the engine's recorded ids; the rest re-tokenised from text (records
+        # without ids; shards computed before ids were recorded count none)
+        "samples_from_token_ids": sum(s.meta.get("from_token_ids", 0) for s in shards),
         "bytes": total_bytes,
         "bytes_per_token": round(bpt, 2),
         "payload_bytes_per_token": bytes_per_token(plan.hidden_size, dtype, storage_dtype=storage),
