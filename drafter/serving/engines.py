@@ -657,7 +657,9 @@ TOKEN_IDS_REQUEST = {"return_token_ids": True}
 #   (python/sglang/srt/entrypoints/openai/protocol.py: ChatCompletionRequest.return_token_ids,
 #   ChatCompletionResponseChoice; serving_chat.py sets response_token_ids from the request's
 #   output_ids, which srt/managers/schedule_batch.py `output_ids_through_stop` cuts "through the
-#   stop condition. Stop position is included"). Older SGLang without the field answers no ids.
+#   stop condition. Stop position is included"). Only 0.5.23 was read: a version without the field
+#   ignores it (its request models are plain pydantic models, which drop unknown fields) and answers
+#   no ids.
 _ANSWER_ID_FIELDS = ("token_ids", "response_token_ids")
 
 
