@@ -129,11 +129,12 @@ def from_token_ids(tokenizer, messages: list[dict], eot_ids: set[int]) -> tuple[
         if message["role"] != "assistant":
             continue
         prompt, through = render(plain[:k], True), render(plain[:k + 1], False)
-        closing = _after_content(through[len(prompt):], message["content"]) if through.startswith(prompt) else None
-        if not prompt.startswith(done) or closing is None:
+        parts = _around_content(through[len(prompt):], message["content"]) if through.startswith(prompt) else None
+        if not prompt.startswith(done) or parts is None:
             return None
+        header, closing = parts  # header: "" unless the template ignores add_generation_prompt
         generated = list(message[TOKEN_IDS])
-        add(encode(prompt[len(done):]), 0)  # the header: what the engine was given, never learned
+        add(encode(prompt[len(done):] + header), 0)  # what the engine was given, never learned
         add(generated, 1)
         # The template's end of turn is learned like the text path learns it (up to trailing
         # whitespace); an engine that returned its stop token already has it in `generated`.
@@ -150,16 +151,17 @@ def from_token_ids(tokenizer, messages: list[dict], eot_ids: set[int]) -> tuple[
     return ids, mask
 
 
-def _after_content(rendered: str, content: str) -> str | None:
-    """What the template appends to an answer's content (its end of turn), from the rendered turn;
-    None when the content cannot be found in it (the template rewrote it)."""
+def _around_content(rendered: str, content: str) -> tuple[str, str] | None:
+    """(what the template puts before, after an answer's content) in the rendered turn: the header
+    a template that ignores add_generation_prompt renders, and the end of turn; None when the
+    content cannot be found (the template rewrote it)."""
     if rendered.startswith(content):
-        return rendered[len(content):]
+        return "", rendered[len(content):]
     core = content.strip()  # templates that trim the content
     if not core:
-        return rendered
+        return "", rendered
     at = rendered.find(core)
-    return None if at < 0 else rendered[at + len(core):]
+    return None if at < 0 else (rendered[:at], rendered[at + len(core):])
 
 
 def answer_spans(ids: list[int], mask: list[int]) -> list[list[int]]:

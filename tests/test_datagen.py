@@ -589,6 +589,15 @@ def test_reference_engine_on_tiny_target(tmp_path, tiny_target):
     assert [m["role"] for m in records[0]["messages"]] == ["user", "assistant", "user", "assistant"]
     assert not any("OLD" in m["content"] for r in records for m in r["messages"])
     assert records[0]["gen"]["model"] == "tiny" and records[0]["gen"]["server"] == f"http://127.0.0.1:{port}"
+    # the engine's own ids are kept with each answer, and they are what its text was decoded from
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    answers = [m for r in records for m in r["messages"] if m["role"] == "assistant"]
+    assert all(tok.decode(m["token_ids"], skip_special_tokens=True) == m["content"] for m in answers)
+    assert sum(len(m["token_ids"]) for m in answers) == sum(r["usage"]["completion_tokens"] for r in records)
+    ids = result.manifest.meta["token_ids"]
+    assert (ids["turns_with_ids"], ids["turns_without_ids"]) == (3, 0) and ids["measured_tokens"] > 0
     with socket.socket() as s:  # torn down: the port is free again
         s.bind(("127.0.0.1", port))
 

@@ -139,6 +139,12 @@ DROPS_OLD_ANSWERS = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
 
 
+NO_GENERATION_PROMPT = (
+    "{{- bos_token }}{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}")
+
+
 def with_ids(messages: list[dict], answers: list[list[int]]) -> list[dict]:
     """The messages with each assistant turn carrying the given ids, in order."""
     it = iter(answers)
@@ -217,3 +223,15 @@ def test_records_without_ids_everywhere_or_with_a_template_that_rewrites_history
     ids, mask, exact = conversation_tokens(rewrites, with_ids(messages, answers), eot)
     assert not exact and (ids, mask) == tokenize_conversation(rewrites, messages, 10_000)
     assert retokenize_agreement(rewrites, with_ids(messages, answers), eot) is None
+
+
+def test_a_template_without_a_generation_prompt_keeps_the_header_out_of_the_loss(tokenizer, conversations):
+    """A template that ignores add_generation_prompt renders the assistant header with the answer:
+    the header still goes before the engine's ids, unmasked."""
+    no_prompt = with_template(tokenizer, NO_GENERATION_PROMPT)
+    eot_id = tokenizer.convert_tokens_to_ids(EOT)
+    for messages in conversations[:4]:
+        answers = [char_ids(tokenizer, m["content"].strip()) + [eot_id] for m in messages if m["role"] == "assistant"]
+        ids, mask, exact = conversation_tokens(no_prompt, with_ids(messages, answers), end_of_turn_ids(no_prompt))
+        assert exact and masked_spans(ids, mask) == answers
+        assert no_prompt.decode(ids) == no_prompt.apply_chat_template(messages, tokenize=False)
