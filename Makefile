@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # CPU build by default (this is what CI and the demo use). On a GPU host: make install TORCH=torch==2.11.0
 TORCH ?= torch==2.13.0
 
-.PHONY: install vllm-env test demo demo-retrain demo-down clean-runs lint
+.PHONY: install vllm-env test demo demo-retrain demo-ui demo-down clean-runs
 
 # vLLM is a serving engine with its own installation (as in production): a separate virtualenv whose
 # interpreter `serve.python` / `dump.python` name. Its CPU build runs the real-engine tests here.
@@ -50,6 +50,10 @@ demo: install
 # Append a batch of new prompts to runs/demo-source and run the retrain-nightly deployment once.
 demo-retrain: install
 	infra/demo-retrain.sh
+
+# The UI over the demo's database (.prefect/) after `make demo` stopped its server: the run URLs it printed open.
+demo-ui: install
+	infra/demo-ui.sh
 
 demo-down:
 	infra/prefect-down.sh

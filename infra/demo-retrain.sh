@@ -17,3 +17,4 @@ echo "== a new batch of prompts"
 run_deployment drafter-retrain/retrain-nightly last-retrain-run.log
 echo "== the registry"
 "$VENV/bin/drafter" registry list --config "$PROFILE"
+ui_hint

@@ -13,3 +13,4 @@ echo "== demo target (built once, then cached)"
 run_deployment drafter-lifecycle/full last-demo-run.log
 echo "== outputs"
 "$VENV/bin/drafter" outputs --config "$PROFILE"
+ui_hint

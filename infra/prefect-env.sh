@@ -7,27 +7,53 @@ export PREFECT_SERVER_API_PORT="${PREFECT_SERVER_API_PORT:-4200}"
 export PREFECT_API_URL="http://${PREFECT_SERVER_API_HOST}:${PREFECT_SERVER_API_PORT}/api"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_UI_ENABLED="${PREFECT_UI_ENABLED:-true}"
+# The server streams run logs out (off by default in 3.9), so `prefect deployment run --watch`
+# shows the run's log lines, among them a failed stage's reason, not only its state events.
+export PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED=true PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED=true
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 VENV="${VENV:-$ROOT/.venv}"
 PREFECT="$VENV/bin/prefect"
 RUN_DIR="$PREFECT_HOME/run"
 POOL="${DRAFTER_WORK_POOL:-drafter-local}"
 mkdir -p "$RUN_DIR"
-export PREFECT_LOGGING_EXTRA_LOGGERS="${PREFECT_LOGGING_EXTRA_LOGGERS:-drafter}"  # library warnings (storage retries, reaped servers) in the run log
+# A flow run's own environment (the drafter logger in the run log, HF offline) is the deployments'
+# job_variables (deployments/prefect.yaml), so any process worker on the pool runs it the same way.
 
 # The demo scripts' common part: start the local server + worker unless one runs (stopped again when
 # the calling script exits, if we started it), run deployment $1 with $PROFILE, watch it, and print
-# the stage lines of its log. $2: the log file's name under $RUN_DIR.
+# the stage lines of its log. $2: the log file's name under $RUN_DIR. When the run fails: the failed
+# stage's one-line reason (the run's state message), where to look, then exit with --watch's code.
 run_deployment() {
-  local deployment="$1" run_log="$RUN_DIR/$2" run_id
+  local deployment="$1" run_log="$RUN_DIR/$2" run_id rc=0
   started_here=0
   if [ ! -f "$RUN_DIR/server.pid" ]; then started_here=1; fi
   trap 'if [ "$started_here" = 1 ]; then "$ROOT/infra/prefect-down.sh"; fi' EXIT
   echo "== local Prefect server and worker"
   "$ROOT/infra/prefect-up.sh"
   echo "== prefect deployment run $deployment --watch"
-  "$PREFECT" deployment run "$deployment" --param "profile=$PROFILE" --watch | tee "$run_log"
-  run_id=$(grep -oE 'prefect\.flow-run\.[0-9a-f-]{36}' "$run_log" | head -1 | sed 's/prefect\.flow-run\.//')
+  # whole lines (not wrapped at 80 columns when piped), so the log keeps each reason on one line
+  # The run's final state decides below (infra/run_state.py), not this pipe's exit status.
+  PREFECT_CLI_WRAP_LINES=false "$PREFECT" deployment run "$deployment" --param "profile=$PROFILE" --watch \
+    | tee "$run_log" || true
+  run_id=$(grep -oE 'UUID: [0-9a-f-]{36}' "$run_log" | head -1 | sed 's/^UUID: //')
+  RUN_URL=$(grep -oE 'URL: http[^ ]+' "$run_log" | head -1 | sed 's/^URL: //')
+  [ -n "$run_id" ] || { echo "no flow run was created (see above)" >&2; exit 1; }
   echo "== stages (from the flow run's log)"
   "$PREFECT" flow-run logs "$run_id" 2>/dev/null | grep -oE 'stage [a-z]+(:| \|) .*' || echo "(see the Prefect UI for run $run_id)"
+  "$VENV/bin/python" "$ROOT/infra/run_state.py" "$run_id" || rc=$?
+  if [ "$rc" != 0 ]; then
+    echo "logs: $RUN_DIR/worker.log (the worker and its flow runs), $run_log (this watch)"
+    ui_hint
+    exit "$rc"
+  fi
+}
+
+# Where the run is in the UI, and how to open it once the demo has stopped the server it started.
+ui_hint() {
+  [ -n "${RUN_URL:-}" ] || return 0
+  if [ "${started_here:-0}" = 1 ]; then
+    echo "run: $RUN_URL (the demo stops the server it started: \`make demo-ui\` serves .prefect/ again so it opens)"
+  else
+    echo "run: $RUN_URL"
+  fi
 }

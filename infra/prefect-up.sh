@@ -32,7 +32,20 @@ done
 echo "prefect server ready at $PREFECT_API_URL"
 
 "$PREFECT" work-pool inspect "$POOL" >/dev/null 2>&1 || "$PREFECT" work-pool create "$POOL" --type process >/dev/null
-echo "work pool $POOL ready"
+# The UI's pool page suggests `prefect worker start --pool "$POOL"` (fixed in Prefect's UI): the pool's
+# description says how this project starts its worker, and that the suggestion works too.
+"$VENV/bin/python" - "$POOL" <<'PY'
+import sys
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolUpdate
+pool = sys.argv[1]
+with get_client(sync_client=True) as client:
+    client.update_work_pool(pool, WorkPoolUpdate(description=(
+        f"Process pool of this checkout. infra/prefect-up.sh starts its worker: `python infra/worker.py {pool}`, "
+        "the same ProcessWorker as `prefect worker start`, which also stops on SIGTERM (infra/prefect-down.sh). "
+        f"The command below works as well, in a shell that ran `source infra/prefect-env.sh`.")))
+PY
+echo "work pool $POOL ready (process)"
 
 if alive "$RUN_DIR/worker.pid"; then
   echo "worker already running (pid $(cat "$RUN_DIR/worker.pid"))"

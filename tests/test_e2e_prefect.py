@@ -133,6 +133,44 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
     # the bench's baseline and 2/1/3 servers (first run only; the second run finds the report committed)
     assert len(list((tmp_path / "logs").glob("reference-*.launch.json"))) == 5
     assert "Speculative decoding: EAGLE3 num_steps=2 topk=1 num_draft_tokens=3" in logs  # served the export
+    # the export stage's own lines go to the run log as they are; only the servers' carry [server]
+    assert "export: SGLang files checked key by key" in logs and "[server] export:" not in logs
+    # a gate's verdict is a markdown artifact of its task run; a skipped stage says so in its state
+    assert artifacts(prefect_env, "export-verdict")[0]["data"].startswith("## export: passed\n")
+    assert artifacts(prefect_env, "bench-verdict")[0]["data"].startswith("## bench: recommendation\n")
+    skipped = [t for t in task_runs(prefect_env) if t["name"].startswith("prepare-")
+               and (t["state"]["message"] or "").startswith("skipped: output already complete at file://")]
+    # the stage's task run and its subflow's run in the parent (the stage as the UI's graph shows it)
+    assert len(skipped) == 2 and {t["state"]["type"] for t in skipped} == {"COMPLETED"}
+
+    # A refusing export gate, through the demo's own script path (infra/prefect-env.sh run_deployment):
+    # the run ends Failed, the reason and where to look are printed, the exit code is not 0.
+    strict = yaml.safe_load(profile.read_text())
+    strict["export"]["min_accept_length"] = 50.0
+    refusing = tmp_path / "refusing.yaml"
+    refusing.write_text(yaml.safe_dump(strict))
+    demo = subprocess.run(["bash", "-c", f"source {ROOT}/infra/prefect-env.sh && "
+                           "run_deployment drafter-lifecycle/full e2e-refused.log"],
+                          env={**prefect_env, "PROFILE": str(refusing)}, capture_output=True, text=True, timeout=400)
+    out = demo.stdout
+    assert demo.returncode == 1, out + demo.stderr
+    reason = re.compile(r"stage export refused: error \(JudgedTooLow\): export judged too low: offline accept "
+                        r"length \d\.\d{3} < export\.min_accept_length 50\.0.* \(see http://127\.0\.0\.1:\d+/runs/"
+                        r"flow-run/[0-9a-f-]{36}\)")
+    assert "Flow run finished in state 'Failed'" in out
+    watched, final = out.split("== the run failed")
+    assert reason.search(watched)  # the parent run's log line, streamed by `--watch` itself
+    assert re.search(r"^Failed: " + reason.pattern, final, re.M)  # the run's state message
+    assert f"logs: {prefect_env['PREFECT_HOME']}/run/worker.log" in final and "run: http://127.0.0.1:" in final
+    assert "stage export: refused" in watched and "stage bench: not run (an earlier stage failed)" in watched
+    summary = {r["stage"]: r for r in artifacts(prefect_env, "lifecycle-summary")[-1]["data"]}
+    assert [summary[s]["state"] for s in ("train", "export", "serve", "bench")] == [
+        "skipped (output already complete)", "refused", "not run (an earlier stage failed)",
+        "not run (an earlier stage failed)"]
+    refused = artifacts(prefect_env, "export-verdict")[-1]
+    assert refused["data"].startswith("## export: refused (JudgedTooLow)\n") and refused["task_run_id"]
+    assert "export.min_accept_length 50.0" in refused["data"]
+
     # the secret reached every launch (masked in each launch file) and no file at rest: not the
     # store, the server logs, the Prefect database or the worker's logs
     launches = [json.loads(p.read_text()) for p in (tmp_path / "logs").glob("*.launch.json")]
@@ -182,6 +220,15 @@ def artifacts(env, key: str) -> list[dict]:
         if isinstance(art["data"], str) and art["type"] == "table":
             art["data"] = json.loads(art["data"])
     return found
+
+
+def task_runs(env) -> list[dict]:
+    import urllib.request
+
+    req = urllib.request.Request(env["PREFECT_API_URL"] + "/task_runs/filter", data=json.dumps({"limit": 200}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
 
 
 def wait_for_events(env, count: int) -> list[dict]:
