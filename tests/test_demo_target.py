@@ -168,7 +168,7 @@ def test_time_limit_fails_loudly_and_saves_nothing(tmp_path, tiny_conversations,
     ticks = itertools.count(0, 1000.0)
     monkeypatch.setattr(demo_target, "time", types.SimpleNamespace(monotonic=lambda: next(ticks)))
     cfg = tiny_target_config(max_steps=6, train_seconds=1500)
-    with pytest.raises(DemoTargetError, match=r"exceeded train_seconds=1500 at step 1/6.*nothing saved") as err:
+    with pytest.raises(DemoTargetError, match=r"exceeded train_seconds=1500 at step 2/6 \(2000 s\); nothing saved") as err:
         build_demo_target(cfg, tmp_path / "t", conversations=tiny_conversations)
     assert "\n" not in str(err.value)
     assert list(tmp_path.iterdir()) == []
