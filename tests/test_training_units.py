@@ -128,7 +128,7 @@ def test_fast_path_equals_dense_reference_loss_and_gradients(attention, monkeypa
 
 def test_accuracy_statistics_are_consistent():
     """Correct predictions only where a loss is counted, chains never exceed per-step hits, and the
-    accept length is 1 + sum_k prod_{j<=k} acc_j."""
+    accept length is 1 + sum_k accept_rate_k with accept_rate_k = prod_{j<=k} cond_acc_j."""
     from drafter.training.metrics import summarize
 
     m, embed, head, mb = _tiny()
@@ -137,13 +137,15 @@ def test_accuracy_statistics_are_consistent():
     _, stats = fast_ttt_loss(m, si, 0.8, 1.0)
     s = summarize(stats)
     assert len(s["acc"]) == K and all(0 <= a <= 1 for a in s["acc"])
-    # correct can only happen where the loss weight is set
-    assert (stats[:, 3] <= stats[:, 1]).all() and (stats[:, 4] <= stats[:, 3]).all()
-    run, expect = 1.0, 1.0
-    for a in s["acc"]:
-        run *= a
-        expect += run
-    assert s["accept_length"] == pytest.approx(expect)
+    # correct can only happen where the loss weight is set; a chain only from a start
+    assert (stats[:, 3] <= stats[:, 1]).all() and (stats[:, 4] <= stats[:, 5]).all()
+    assert s["accept_length"] == pytest.approx(1 + sum(s["accept_rate"]))
+    assert s["acc"][0] == pytest.approx(s["accept_rate"][0])
+    assert all(a >= b for a, b in zip(s["accept_rate"], s["accept_rate"][1:]))
+    run = 1.0
+    for rate, cond in zip(s["accept_rate"], s["cond_acc"]):
+        run *= cond if cond is not None else 0.0
+        assert rate == pytest.approx(run)
 
 
 def test_micro_batch_without_loss_gives_a_zero_loss_that_backward_accepts():

@@ -13,7 +13,7 @@ from drafter.export.vllm_judge import EnginesDisagree, agreement, judge_with_vll
 from drafter.stages import export
 from drafter.store import FileStore
 from drafter.target import HFTarget
-from tests.test_export import ACC, _commit_upstreams
+from tests.test_export import RATE, _commit_upstreams
 from tests.fixtures.layered import AUX, export_pair, layered_pair  # noqa: F401  (fixture)
 from tests.fixtures.net import free_port
 from tests.fixtures.vllm_env import vllm_py, vllm_serve_section  # noqa: F401  (fixture)
@@ -72,7 +72,7 @@ def test_a_planted_off_by_one_layer_id_is_caught_by_both_judges(layered_pair, ti
     prompts, _ = prompts_from_conversations(hf.tokenizer, tiny_conversations[200:], 4, 400)
 
     reference = judge_export(sglang_dir, hf, prompts, num_steps=3, max_new_tokens=40, bucket_edges=[8, 16, 32],
-                             prediction_acc=ACC)
+                             prediction={"accept_rate": RATE})
     with pytest.raises(JudgedTooLow, match="min_accept_length"):
         check(reference, cfg.export.min_accept_length, cfg.export.min_accept_ratio)
     served = judge_with_vllm(cfg, vllm_dir, prompts, num_steps=3, max_new_tokens=40)

@@ -5,11 +5,11 @@ The second judge, real vLLM on the vLLM export, is drafter.export.vllm_judge.
 
 Figures (all over verify steps, the bonus token included where it says accept length):
 - accept_length: 1 + accepted drafts / verifies: what training's simulated accept length predicts
-  (1 + sum_k prod_{j<=k} acc_j over the first `num_steps` positions);
+  (1 + sum_k accept_rate_k over the first `num_steps` positions; drafter.training.metrics);
 - sglang_accept_length: completion tokens / verifies (SGLang's meta_info figure; it also counts the
   token from the prefill, so it is a little higher on short outputs);
 - per_position: accepted at draft position k / verifies (k = 0 .. num_steps-1), next to training's
-  prod_{j<=k} acc_j;
+  accept_rate_k;
 - by_output_length: accept length of the verifies whose output had [lo, hi) tokens before them, so
   a drop past the training length shows.
 """
@@ -20,21 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from drafter.export.sglang import PROVENANCE_KEY, ExportError
+from drafter.training.metrics import predicted_accept
 
 
 class JudgedTooLow(ExportError):
     """The exported drafter accepts too few tokens offline; the message names the threshold."""
-
-
-def predicted(acc: list[float], num_steps: int) -> dict[str, Any]:
-    """Training's prediction at `num_steps` from per-position accuracies (positions past the
-    trained TTT depth are not extrapolated: `positions_used` says how many were available)."""
-    run, accept, per_position = 1.0, 1.0, []
-    for a in acc[:num_steps]:
-        run *= float(a)
-        accept += run
-        per_position.append(run)
-    return {"accept_length": accept, "per_position": per_position, "positions_used": len(per_position)}
 
 
 def prompts_from_conversations(tokenizer, conversations: list[dict], limit: int, max_prompt_tokens: int
@@ -70,7 +60,7 @@ def _buckets(edges: list[int]) -> list[tuple[int, int | None]]:
 
 
 def judge_export(sglang_dir: str | Path, target, prompts: list[list[int]], *, num_steps: int,
-                 max_new_tokens: int, bucket_edges: list[int], prediction_acc: list[float] | None = None,
+                 max_new_tokens: int, bucket_edges: list[int], prediction: dict | None = None,
                  on_prompt=None) -> dict[str, Any]:
     """Generate from `prompts` with the exported drafter and measure acceptance.
     `target`: a loaded drafter.target.HFTarget (its device and dtype are used)."""
@@ -130,8 +120,8 @@ def judge_export(sglang_dir: str | Path, target, prompts: list[list[int]], *, nu
         "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
         "seconds": round(seconds, 2), "torch": torch.__version__,
     }
-    if prediction_acc:
-        report["predicted"] = predicted(prediction_acc, num_steps)
+    if prediction and prediction.get("accept_rate"):
+        report["predicted"] = predicted_accept(prediction, num_steps)
     return report
 
 
@@ -153,11 +143,11 @@ def held_out_judging(cfg, store, prepare_fp: str) -> tuple[Any, list[list[int]],
 
 
 def judge_as_configured(ec, sglang_dir: str | Path, target, prompts: list[list[int]], *,
-                        prediction_acc: list[float] | None = None, on_prompt=None) -> dict[str, Any]:
+                        prediction: dict | None = None, on_prompt=None) -> dict[str, Any]:
     """`judge_export` with the `export` section's judge settings (steps, new tokens, buckets)."""
     return judge_export(sglang_dir, target, prompts, num_steps=ec.judge_num_steps,
                         max_new_tokens=ec.judge_max_new_tokens, bucket_edges=ec.judge_bucket_edges,
-                        prediction_acc=prediction_acc, on_prompt=on_prompt)
+                        prediction=prediction, on_prompt=on_prompt)
 
 
 def check(report: dict[str, Any], min_accept_length: float, min_accept_ratio: float) -> dict[str, Any]:

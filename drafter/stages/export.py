@@ -173,7 +173,7 @@ def _judge(cfg: LifecycleConfig, store: ObjectStore, prepare_fp: str, sglang_dir
         raise ExportError(f"no held-out prompt to judge with: {PREPARE}/{prepare_fp} eval split has "
                           f"{conversations} conversations, skipped {skipped}")
     row = train_meta.get("final_eval") or train_meta.get("final_train") or {}
-    report = judge_as_configured(ec, sglang_dir, target, prompts, prediction_acc=row.get("acc"),
+    report = judge_as_configured(ec, sglang_dir, target, prompts, prediction=row,
                                  on_prompt=(lambda done, total: progress(done, total, "prompts judged"))
                                  if progress else None)
     report["prediction_split"] = "eval" if train_meta.get("final_eval") else ("train" if row else None)

@@ -37,6 +37,9 @@ from drafter.training.errors import TrainingError
 log = logging.getLogger(__name__)
 
 RESULT_FILE = "train-result.json"  # what rank 0 of a torchrun launch hands back to the stage
+# Bump when what a train output holds changes for the same configuration: 2 = the chain metrics
+# (accept_rate_k; drafter.training.metrics), so outputs with the old figures are not reused.
+TRAIN_RECIPE = 2
 
 
 def _init_from_identity(path: str | None) -> str | None:
@@ -70,7 +73,8 @@ def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
     else:
         section["init_from"] = _init_from_identity(cfg.train.init_from)
     return stage_fingerprint(STAGE, {"train": section, "aux_layer_ids": cfg.aux_layer_ids(),
-                                     "target": target_identity(cfg.target)}, [upstream[DUMP]])
+                                     "target": target_identity(cfg.target), "recipe": TRAIN_RECIPE},
+                             [upstream[DUMP]])
 
 
 def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str],
@@ -153,11 +157,13 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
         row = meta.get(f"final_{split}") or {}
         if not row:
             continue
-        fmt = lambda values: "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
-        summary.append(f"{split} (step {row['step']}): acc per position {fmt(row['acc'])}, conditional "
+        fmt = lambda values: "[" + ", ".join("-" if v is None else f"{v:.3f}" for v in values) + "]"
+        # Rows of outputs trained before accept_rate existed show what they have.
+        chain = (f", accepted at position k {fmt(row['accept_rate'])}" if "accept_rate" in row else "")
+        summary.append(f"{split} (step {row['step']}): acc per position {fmt(row['acc'])}{chain}, conditional "
                        f"{fmt(row['cond_acc'])}, simulated accept length {row['accept_length']:.3f}")
         table += [{"metric": f"{split}.{k}", "value": fmt(v) if isinstance(v, list) else str(v)}
-                  for k, v in row.items() if k in ("step", "loss", "acc", "cond_acc", "accept_length")]
+                  for k, v in row.items() if k in ("step", "loss", "acc", "accept_rate", "cond_acc", "accept_length")]
     summary.append(f"{meta.get('steps')} steps, vocab from {meta.get('vocab_source')}, "
                    f"aux layers {meta.get('aux_layer_ids')}")
     return StageResult.committed(out.manifest, out.uri, skipped, summary, table)

@@ -1,11 +1,21 @@
 """Per-TTT-position metrics, the metrics log (JSONL) and the curves (PNG).
 
-From the summed statistics of `ttt.STATS`, for each position k:
-  loss_k       mean cross entropy over the positions that carry a loss at step k
-  acc_k        top-1 agreement with the target's full-vocab argmax over loss-masked positions
-  cond_acc_k   acc at k among positions whose steps 0..k-1 were all right
-  accept_len   1 + sum_k prod_{j<=k} acc_j (a chain drafter's accepted tokens per verify, bonus
-               token included; SpecForge's simulated_acc_len is this minus 1)
+Defined once, here, from the summed statistics of `ttt.STATS`. A *draft start* is a position t
+whose step 0 carries a loss (the token after it is an answer token in the draft vocab's reach);
+step k from t predicts the token k places further on, from the drafter's own hidden state of step
+k - 1 and the true tokens (teacher forcing, as SpecForge trains). For each position k:
+  loss_k         mean cross entropy over the positions that carry a loss at step k
+  acc_k          top-1 agreement with the target's full-vocab argmax over the positions whose step k
+                 has a loss mask (SpecForge's `acces`; the steps before k may have been wrong)
+  accept_rate_k  share of draft starts whose steps 0..k are all right: what a chain drafter
+                 (topk 1) gets accepted at position k per verify (the offline judge's
+                 "accepted at position k / verifies"); never increases with k
+  cond_acc_k     accept_rate_k / accept_rate_{k-1} (accept_rate_{-1} = 1): step k right given that
+                 steps 0..k-1 were; None when no start got that far
+  accept_length  1 + sum_k accept_rate_k: tokens per verify of a chain drafter of len(acc) steps,
+                 the bonus token included (SpecForge's simulated_acc_len is this minus 1); the
+                 prediction at s <= K steps is 1 + sum_{k<s} accept_rate_k
+So acc_0 = accept_rate_0 = cond_acc_0, and accept_rate_k = prod_{j<=k} cond_acc_j.
 """
 from __future__ import annotations
 
@@ -17,16 +27,23 @@ import torch
 
 def summarize(stats: torch.Tensor) -> dict:
     s = stats.double().cpu()
-    div = lambda a, b: float(a / b) if float(b) > 0 else 0.0
-    loss = [div(s[k, 0], s[k, 1]) for k in range(s.shape[0])]
-    acc = [div(s[k, 3], s[k, 2]) for k in range(s.shape[0])]
-    cond = [div(s[k, 4], s[k, 5]) for k in range(s.shape[0])]
-    run, accept = 1.0, 1.0
-    for a in acc:
-        run *= a
-        accept += run
-    return {"loss": loss, "acc": acc, "cond_acc": cond, "accept_length": accept,
-            "loss_positions": [int(x) for x in s[:, 1]], "mask_positions": [int(x) for x in s[:, 2]]}
+    div = lambda a, b: float(a / b) if float(b) > 0 else None
+    K = s.shape[0]
+    loss = [div(s[k, 0], s[k, 1]) or 0.0 for k in range(K)]
+    acc = [div(s[k, 3], s[k, 2]) or 0.0 for k in range(K)]
+    accept_rate = [div(s[k, 4], s[k, 5]) or 0.0 for k in range(K)]
+    cond = [div(s[k, 4], s[k - 1, 4] if k else s[k, 5]) for k in range(K)]
+    return {"loss": loss, "acc": acc, "accept_rate": accept_rate, "cond_acc": cond,
+            "accept_length": 1.0 + sum(accept_rate),
+            "loss_positions": [int(x) for x in s[:, 1]], "mask_positions": [int(x) for x in s[:, 2]],
+            "draft_starts": int(s[0, 5])}
+
+
+def predicted_accept(row: dict, num_steps: int) -> dict:
+    """The prediction at `num_steps` draft steps from a metrics row (steps past the trained TTT
+    depth are not extrapolated: `positions_used` says how many were available)."""
+    rates = [float(r) for r in row["accept_rate"][:num_steps]]
+    return {"accept_length": 1.0 + sum(rates), "per_position": rates, "positions_used": len(rates)}
 
 
 def to_jsonl(rows: list[dict]) -> bytes:

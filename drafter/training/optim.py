@@ -17,6 +17,18 @@ import torch
 CHUNK_ELEMENTS = 64 << 20
 
 
+LR_REFERENCE_TOKENS = 2048  # train.learning_rate is the peak lr at this many tokens per optimizer step
+
+
+def peak_learning_rate(learning_rate: float, tokens_per_step: int, scaling: str) -> float:
+    """The peak lr of a global batch of `tokens_per_step` tokens (train.lr_scaling). Adam's update
+    size does not grow with the batch, so a batch k times larger needs about sqrt(k) times the lr
+    to learn as much per token (the square-root rule); measured in benchmarks/RESULTS.md."""
+    if scaling == "none":
+        return learning_rate
+    return learning_rate * math.sqrt(tokens_per_step / LR_REFERENCE_TOKENS)
+
+
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Multiplier of the base lr for optimizer step `step` (0-based)."""
     if warmup > 0 and step < warmup:

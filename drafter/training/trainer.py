@@ -30,7 +30,7 @@ from drafter.training import distributed
 from drafter.training.data import Cursor, DumpExpectation, DumpReader, DumpSplit, Packer, count_vocab, dump_splits
 from drafter.training.errors import DrafterIncompatible, TrainingError
 from drafter.training.metrics import plot_png, summarize, to_jsonl
-from drafter.training.optim import MasterAdamW, clip_gradients, lr_factor
+from drafter.training.optim import MasterAdamW, clip_gradients, lr_factor, peak_learning_rate
 from drafter.training.static_step import GraphedTTT, plan_static
 from drafter.training.teacher import TargetHead, load_target_head
 from drafter.training.ttt import STATS, prepare, fast_ttt_loss
@@ -223,6 +223,9 @@ def _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run, out_d
     per_step = tc.tokens_per_micro_batch * tc.micro_batches_per_step
     total = tc.max_steps or max(1, -(-tc.epochs * train_reader.num_tokens // per_step))
     warmup = int(tc.warmup_ratio * total)
+    peak_lr = peak_learning_rate(tc.learning_rate, per_step, tc.lr_scaling)
+    log.info("%d optimizer steps of %d tokens, peak lr %.3g (%s scaling), %d warm-up steps",
+             total, per_step, peak_lr, tc.lr_scaling, warmup)
     step, cursor, rows = 0, Cursor(), []
     acc = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64)
     acc_tokens, resumed_from = 0, None
@@ -280,7 +283,7 @@ def _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run, out_d
                 stats += st
             d.all_sum(stats)
             clip_gradients(list(model.parameters()), tc.max_grad_norm)
-            opt.set_lr(tc.learning_rate * lr_factor(step, warmup, total, tc.min_lr_ratio))
+            opt.set_lr(peak_lr * lr_factor(step, warmup, total, tc.min_lr_ratio))
             opt.step()
             opt.zero_grad()
             step += 1
@@ -313,8 +316,10 @@ def _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run, out_d
         rows.append({"split": "eval", "step": step, **_evaluate(module, eval_reader, embed, head, d, tc, dtype)})
     if saved_at != step or last_uri is None:
         last_uri = save()
-    return _finish(model, opt, d, tc, rows, out_dir, last_uri, step, resumed_from, vocab_source,
-                   train_reader, eval_reader, aux_ids)
+    result = _finish(model, opt, d, tc, rows, out_dir, last_uri, step, resumed_from, vocab_source,
+                     train_reader, eval_reader, aux_ids)
+    result.meta.update(peak_lr=peak_lr, tokens_per_step=per_step, planned_steps=total)
+    return result
 
 
 class _no_sync:
@@ -357,6 +362,30 @@ def _evaluate(module, reader: DumpReader, embed, head, d, tc, dtype) -> dict:
         stats += st
     d.all_sum(stats)
     return {"tokens": seen, **summarize(stats)}
+
+
+def evaluate_drafter(cfg: LifecycleConfig, store: ObjectStore, drafter_dir: str | Path, dump: str,
+                     device: str = "cpu") -> dict:
+    """Held-out metrics (drafter.training.metrics) of any SGLang-format drafter on a dump's eval
+    split, with this configuration's TTT depth and teacher: the figures a trained drafter's
+    manifest holds, for a drafter trained elsewhere (a benchmark's second trainer)."""
+    tc = cfg.train
+    dev = torch.device(device)
+    dtype = _compute_dtype(tc.dtype, dev)
+    model = load_drafter(drafter_dir, device=dev, dtype=dtype).eval()
+    target = read_target_config(cfg.target.path)
+    _train_split, held_out = dump_splits(store, dump)
+    if held_out is None:
+        raise TrainingError(f"dump {dump} has no held-out (eval-hs-*) shards")
+    reader = DumpReader(store, held_out, DumpExpectation(aux_layer_ids=cfg.aux_layer_ids(),
+                                                         hidden_size=target["hidden_size"]),
+                        shuffle=False, max_length=tc.max_length)
+    embed, lm_head = load_target_head(cfg.target.path)
+    head = TargetHead(lm_head, model.t2d, dev, dtype, tc.vocab_chunk)
+    try:
+        return _evaluate(TTTModule(model), reader, embed.to(dtype), head, distributed.init(device), tc, dtype)
+    finally:
+        reader.close()
 
 
 def _model_state(model, opt: MasterAdamW, d, tc) -> dict:

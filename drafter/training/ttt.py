@@ -29,7 +29,10 @@ from drafter.training.attention import DocLayout, ttt_attention
 from drafter.training.teacher import TargetHead, Teacher, linear_soft_cross_entropy, reference_teacher
 
 # Columns of the per-step statistics tensor [K, len(STATS)] (sums: add across batches / ranks).
-STATS = ("loss_sum", "loss_positions", "mask_positions", "correct", "chain_correct", "chain_total")
+# chain_correct[k]: draft starts (positions whose step 0 carries a loss) with steps 0..k all right;
+# draft_starts: how many starts there are (the same in every row). drafter.training.metrics turns
+# these into acc_k, accept_rate_k, cond_acc_k and the simulated accept length.
+STATS = ("loss_sum", "loss_positions", "mask_positions", "correct", "chain_correct", "draft_starts")
 
 
 @dataclass
@@ -275,10 +278,15 @@ def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: floa
 
 @torch.no_grad()
 def step_stats(lm: torch.Tensor, pm: torch.Tensor, loss_sums: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
-    """The STATS columns from [K, positions] masks (loss mask, position mask, correct), all at once."""
-    chain = correct.long().cumprod(0).bool()                     # right at every step 0..k
-    before = torch.cat([torch.ones_like(chain[:1]), chain[:-1]])  # right at every step 0..k-1
-    cols = [loss_sums, pm.sum(1), lm.sum(1), (correct & lm).sum(1), (chain & lm).sum(1), (before & lm).sum(1)]
+    """The STATS columns from [K, positions] masks (loss mask, position mask, correct), all at once.
+
+    `correct[k, t]` may only be true where step k at t carries a loss. A chain drafter starts at a
+    position t whose step 0 carries a loss (lm[0, t]) and keeps its step k only while steps 0..k
+    were all right; a start whose chain leaves the answer (no loss at step k) stops there, as a
+    served draft stops at the end of the answer."""
+    chain = correct.long().cumprod(0).bool() & lm[:1]            # right at every step 0..k, from a start
+    starts = lm[0].sum().expand(lm.shape[0])
+    cols = [loss_sums, pm.sum(1), lm.sum(1), (correct & lm).sum(1), chain.sum(1), starts]
     return torch.stack([c.double() for c in cols], 1)
 
 
