@@ -239,3 +239,53 @@ def test_degenerate_build_fails_and_keeps_the_previous_target(tmp_path, tiny_con
     # Nothing new saved: the previous target and its report are untouched, no temp dirs left.
     assert _weights(out) == weights and json.loads((out / REPORT_FILE).read_text())["fingerprint"] == first["fingerprint"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
+
+
+_BUILD_IN_A_PROCESS = """
+import hashlib, json, sys
+import torch
+junk = [torch.empty(int(n)) for n in sys.argv[2:]]  # another heap layout in each process
+from drafter.demo_target import build_demo_target
+from tests.fixtures.targets import tiny_target_config
+cfg = tiny_target_config(max_steps=12, threads=1, collapse_whitespace=True, answer_prompts=2, answer_tokens=8)
+report = build_demo_target(cfg, sys.argv[1])
+print(json.dumps({"sha256": hashlib.sha256(open(sys.argv[1] + "/model.safetensors", "rb").read()).hexdigest(),
+                  "loss": report["train_loss"]}))
+"""
+
+
+def test_same_weights_in_separate_processes(tmp_path):
+    # Two processes at once (each loads the other's core), other hash seeds, other heap layouts,
+    # the data read from the package as `drafter demo-target` reads it: the same bytes.
+    import hashlib
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD_IN_A_PROCESS, str(tmp_path / name), *junk],
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed})
+             for name, seed, junk in [("a", "1", []), ("b", "2", ["1000003", "77"])]]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    a, b = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    assert a == b
+    assert a["sha256"] == hashlib.sha256((tmp_path / "b" / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_demo_profile_recipe_is_gated_and_step_budgeted():
+    from pathlib import Path
+
+    import yaml
+
+    from drafter.config import DemoTargetConfig
+
+    root = Path(__file__).resolve().parents[1]
+    demos = [yaml.safe_load((root / "profiles" / name).read_text())["target"]["demo"]
+             for name in ("demo.yaml", "retrain-demo.yaml")]
+    assert demos[0] == demos[1]  # one target for both profiles (same fingerprint)
+    cfg = DemoTargetConfig(**demos[0])
+    assert cfg.fail_on_degenerate and cfg.threads == 1 and cfg.train_seconds is None
+    assert cfg.collapse_whitespace and cfg.max_steps <= 600
