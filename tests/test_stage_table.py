@@ -15,6 +15,21 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGE_SECTIONS = ("data", "datagen", "dump", "train", "export", "serve", "bench", "retrain")
 
 
+def all_log_messages(client) -> list[str]:
+    """Every log line the server holds, oldest first: the log worker drained first (logs are sent in
+    batches), then read page by page (one read returns at most the server's default limit)."""
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    messages: list[str] = []
+    while True:
+        page = client.read_logs(offset=len(messages), sort=LogSort.TIMESTAMP_ASC)
+        messages += [entry.message for entry in page]
+        if not page:
+            return messages
+
+
 def corpus_config(tmp_path) -> LifecycleConfig:
     corpus = tmp_path / "prompts.jsonl"
     corpus.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"q {i}?"}]}) + "\n"
@@ -110,7 +125,7 @@ def test_a_new_stage_is_one_module_and_one_row(tmp_path, tiny_target, prefect_se
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        messages = [entry.message for entry in client.read_logs()]
+        messages = all_log_messages(client)
     assert any(m.startswith("count: error (ObjectNotFound): prepare is not committed") for m in messages), messages
     prepared = prepare.fingerprint(cfg)
     assert first["prepare"]["status"] == "done" and first["count"]["status"] == "done"
@@ -164,7 +179,7 @@ def test_a_refusing_gate_ends_the_run_failed_with_its_reason(tmp_path, tiny_targ
         (gate_task,) = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[gate_run.id])))
         assert verdict.type == "markdown" and verdict.task_run_id == gate_task.id
         assert verdict.data.startswith("## gate: refused\n\n9 training conversations")
-        messages = [entry.message for entry in client.read_logs()]
+        messages = all_log_messages(client)
         assert "gate: 9 conversations, at least 100.0 needed" in messages  # the stage's own line, unmarked
         assert not any(m.startswith("[server]") for m in messages)
         assert reason in "\n".join(messages)  # the parent run's log says it too (what --watch streams)
