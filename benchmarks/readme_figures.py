@@ -38,9 +38,9 @@ def table_png(rows: list[dict], title: str) -> bytes:
 
     cols = [c for c in COLUMNS if any(c in r for r in rows)]
     cells = [[str(r.get(c, "")) for c in cols] for r in rows]
-    fig, ax = plt.subplots(figsize=(min(2.2 * len(cols), 16), 0.5 + 0.45 * (len(rows) + 1)))
+    fig, ax = plt.subplots(figsize=(1.4 * len(cols), 0.3 + 0.3 * (len(rows) + 1)))
     ax.axis("off")
-    t = ax.table(cellText=cells, colLabels=cols, loc="center", cellLoc="left")
+    t = ax.table(cellText=cells, colLabels=cols, loc="upper center", cellLoc="left")
     t.auto_set_font_size(False)
     t.set_fontsize(9)
     t.auto_set_column_width(list(range(len(cols))))

@@ -114,6 +114,7 @@ def test_good_export_is_written_checked_judged_committed_and_skipped(stage_env):
     assert len(manifest["draft_vocab"]["hash"]) == 16 and manifest["training"]["final_eval"]["acc"] == ACC
     assert any("offline accept length 2.000 at 3/1/4" in s and "predicted 2.050" in s for s in result.summary)
     assert any("offline accept length" in line for line in lines)
+    assert judge["prompts_past_train_max_length"] == 0 and not any("WARNING" in s for s in result.summary)
 
     again = export.run(cfg, store, upstream=upstream)
     assert again.skipped and again.manifest == result.manifest
@@ -124,6 +125,16 @@ def test_good_export_is_written_checked_judged_committed_and_skipped(stage_env):
     assert load_drafter(local["sglang"]).config.aux_layer_ids == AUX
     assert json.loads((local["vllm"] / "config.json").read_text())["speculators_model_type"] == "eagle3"
     assert json.loads(local["judge"].read_text())["accept_length"] == pytest.approx(2.0)
+
+
+def test_prompts_past_the_trained_length_are_counted_and_warned(stage_env):
+    target, draft, store, upstream, tmp = stage_env
+    cfg = _cfg(target, tmp)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_length": 16})})
+    result = export.run(cfg, store, upstream=upstream)
+    judge = result.meta["judge"]
+    assert judge["train_max_length"] == 16 and judge["prompts_past_train_max_length"] == judge["prompts"] == 4
+    assert any(s.startswith("WARNING: 4 of 4 judged prompts run past train.max_length 16") for s in result.summary)
 
 
 def test_fingerprint_follows_output_fields_not_operational_ones(stage_env):

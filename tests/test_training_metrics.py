@@ -39,7 +39,7 @@ def test_chain_metrics_simulate_a_chain_drafter():
     assert s["acc"] == pytest.approx([3 / 4, 3 / 4, 3 / 3])  # SpecForge's acces: over step k's loss mask
     assert s["cond_acc"] == pytest.approx([3 / 4, 1 / 3, 1.0])
     assert predicted_accept(s, 1) == {"accept_length": pytest.approx(1.75), "per_position": [0.75],
-                                      "positions_used": 1}
+                                      "positions_used": 1, "source": "accept_rate"}
     assert predicted_accept(s, 5)["positions_used"] == K
 
 
@@ -88,3 +88,27 @@ def test_peak_learning_rate_follows_the_batch_by_the_square_root_rule():
     assert peak_learning_rate(6e-4, 4 * LR_REFERENCE_TOKENS, "sqrt") == pytest.approx(1.2e-3)
     assert peak_learning_rate(6e-4, LR_REFERENCE_TOKENS // 4, "sqrt") == pytest.approx(3e-4)
     assert peak_learning_rate(6e-4, 4 * LR_REFERENCE_TOKENS, "none") == pytest.approx(6e-4)
+
+
+def test_the_served_walk_follows_the_chain_from_verify_to_verify():
+    """One answer of 8 draft starts (positions 1..8); the walk of a 3-step chain drafter: from 1 it
+    accepts 3 (1 -> 5), from 5 it accepts 0 (-> 6), from 6 it accepts 2 (the answer ends) -> 9."""
+    from drafter.training.metrics import served_figures, served_walk
+
+    T = 10
+    starts = torch.zeros(T, dtype=torch.bool)
+    starts[1:9] = True
+    correct = torch.zeros(K, T, dtype=torch.bool)
+    correct[:, 1] = True                 # 3 right from 1
+    correct[0, 2] = correct[0, 3] = True  # positions the walk jumps over: not counted
+    correct[1:, 5] = True                # step 0 wrong at 5: nothing accepted there
+    correct[:2, 6] = True                # 2 right from 6, then its answer ends
+    walk = served_walk(correct, starts)
+    assert walk[2].tolist() == [3, 2, 2, 1]          # 3 verifies; position 0 accepted twice, ...
+    f = served_figures(walk)
+    assert f["served_accept_length"][2] == pytest.approx(1 + 5 / 3)
+    assert f["served_per_position"][2] == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+    # one step: 1 -> 3 (right), 3 -> 5 (right), 5 -> 6 (wrong), 6 -> 8 (right), 8 -> 9 (wrong): 5 verifies, 3 accepted
+    assert walk[0].tolist() == [5, 3, 0, 0]
+    assert predicted_accept({**f, "accept_rate": [0.0] * K}, 1)["accept_length"] == pytest.approx(1 + 3 / 5)
+    assert predicted_accept({"accept_rate": [0.5, 0.25, 0.0]}, 2)["accept_length"] == pytest.approx(1.75)

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 RESULT_FILE = "train-result.json"  # what rank 0 of a torchrun launch hands back to the stage
 # Bump when what a train output holds changes for the same configuration: 2 = the chain metrics
 # (accept_rate_k; drafter.training.metrics), so outputs with the old figures are not reused.
-TRAIN_RECIPE = 2
+TRAIN_RECIPE = 3  # 3: held-out rows carry the served walk (drafter.training.metrics.served_walk)
 
 
 def _init_from_identity(path: str | None) -> str | None:
@@ -160,10 +160,13 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
         fmt = lambda values: "[" + ", ".join("-" if v is None else f"{v:.3f}" for v in values) + "]"
         # Rows of outputs trained before accept_rate existed show what they have.
         chain = (f", accepted at position k {fmt(row['accept_rate'])}" if "accept_rate" in row else "")
+        served = (f", served walk accept length {row['served_accept_length'][-1]:.3f}"
+                  if row.get("served_accept_length") else "")
         summary.append(f"{split} (step {row['step']}): acc per position {fmt(row['acc'])}{chain}, conditional "
-                       f"{fmt(row['cond_acc'])}, simulated accept length {row['accept_length']:.3f}")
+                       f"{fmt(row['cond_acc'])}, simulated accept length {row['accept_length']:.3f}{served}")
         table += [{"metric": f"{split}.{k}", "value": fmt(v) if isinstance(v, list) else str(v)}
-                  for k, v in row.items() if k in ("step", "loss", "acc", "accept_rate", "cond_acc", "accept_length")]
+                  for k, v in row.items() if k in ("step", "loss", "acc", "accept_rate", "cond_acc", "accept_length",
+                                                   "served_accept_length")]
     summary.append(f"{meta.get('steps')} steps, vocab from {meta.get('vocab_source')}, "
                    f"aux layers {meta.get('aux_layer_ids')}")
     return StageResult.committed(out.manifest, out.uri, skipped, summary, table)

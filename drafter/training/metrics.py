@@ -16,6 +16,18 @@ k - 1 and the true tokens (teacher forcing, as SpecForge trains). For each posit
                  the bonus token included (SpecForge's simulated_acc_len is this minus 1); the
                  prediction at s <= K steps is 1 + sum_{k<s} accept_rate_k
 So acc_0 = accept_rate_0 = cond_acc_0, and accept_rate_k = prod_{j<=k} cond_acc_j.
+
+These average over every position alike. Serving does not: a draft starts where the last verify
+ended, so hard stretches (one token per verify) get more verifies than easy ones (s + 1 tokens per
+verify), and per-verify figures fall below the per-position ones where the drafter's hits cluster.
+The held-out evaluation therefore also walks each answer as a chain drafter of s steps would
+(`served_walk`: start at the answer's first draft start, accept the leading right steps, n, move
+n + 1 positions on, repeat) for every s = 1..K:
+  served_accept_length[s-1]     1 + accepted drafts / verifies of that walk
+  served_per_position[s-1][k]   verifies whose draft position k was accepted / verifies
+This is what the offline judge measures on the same target (greedy, topk 1), up to each request's
+first draft, which starts from the prompt's last position (never a draft start in training).
+`predicted_accept` uses it when a row has it.
 """
 from __future__ import annotations
 
@@ -39,11 +51,46 @@ def summarize(stats: torch.Tensor) -> dict:
             "draft_starts": int(s[0, 5])}
 
 
+def served_walk(correct: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """float64 [K, K + 1]: row s - 1 = (verifies, accepted at draft position 0..K-1) of a chain
+    drafter of s steps walking the packed answers. correct [K, T] bool (true only where step k at
+    t has a loss, so a chain never leaves its answer); starts [T] bool: the draft starts."""
+    K, T = correct.shape
+    lead = correct.long().cumprod(0).sum(0).tolist()  # leading right steps of the draft from t
+    is_start = starts.tolist()
+    out = torch.zeros(K, K + 1, dtype=torch.float64)
+    for s in range(1, K + 1):
+        t = 0
+        while t < T:
+            if not is_start[t]:
+                t += 1
+                continue
+            n = min(lead[t], s)
+            out[s - 1, 0] += 1
+            out[s - 1, 1:1 + n] += 1
+            t += n + 1  # the next draft starts after the accepted tokens and the target's bonus token
+    return out
+
+
+def served_figures(walk: torch.Tensor) -> dict:
+    w = walk.double().cpu()
+    verifies = [float(v) for v in w[:, 0]]
+    per_position = [[float(a) / v if v else 0.0 for a in w[s, 1:s + 2]] for s, v in enumerate(verifies)]
+    return {"served_accept_length": [1.0 + sum(p) for p in per_position], "served_per_position": per_position,
+            "served_verifies": [int(v) for v in verifies]}
+
+
 def predicted_accept(row: dict, num_steps: int) -> dict:
-    """The prediction at `num_steps` draft steps from a metrics row (steps past the trained TTT
-    depth are not extrapolated: `positions_used` says how many were available)."""
+    """The prediction at `num_steps` draft steps from a metrics row: the served walk's figures
+    when the row has them (held-out rows), else 1 + sum of accept_rate. Steps past the trained TTT
+    depth are not extrapolated: `positions_used` says how many were available."""
+    if row.get("served_accept_length"):
+        s = min(num_steps, len(row["served_accept_length"]))
+        return {"accept_length": row["served_accept_length"][s - 1], "per_position": row["served_per_position"][s - 1],
+                "positions_used": s, "source": "served walk"}
     rates = [float(r) for r in row["accept_rate"][:num_steps]]
-    return {"accept_length": 1.0 + sum(rates), "per_position": rates, "positions_used": len(rates)}
+    return {"accept_length": 1.0 + sum(rates), "per_position": rates, "positions_used": len(rates),
+            "source": "accept_rate"}
 
 
 def to_jsonl(rows: list[dict]) -> bytes:

@@ -29,7 +29,7 @@ from drafter.training import checkpoint as ckpt
 from drafter.training import distributed
 from drafter.training.data import Cursor, DumpExpectation, DumpReader, DumpSplit, Packer, count_vocab, dump_splits
 from drafter.training.errors import DrafterIncompatible, TrainingError
-from drafter.training.metrics import plot_png, summarize, to_jsonl
+from drafter.training.metrics import plot_png, served_figures, served_walk, summarize, to_jsonl
 from drafter.training.optim import MasterAdamW, clip_gradients, lr_factor, peak_learning_rate
 from drafter.training.static_step import GraphedTTT, plan_static
 from drafter.training.teacher import TargetHead, load_target_head
@@ -345,6 +345,7 @@ class _no_sync:
 def _evaluate(module, reader: DumpReader, embed, head, d, tc, dtype) -> dict:
     """Held-out metrics over the eval split (in manifest order, split across ranks)."""
     stats = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64, device=d.device)
+    walk = torch.zeros(tc.ttt_length, tc.ttt_length + 1, dtype=torch.float64, device=d.device)
     packer = Packer(tc.tokens_per_micro_batch, tc.max_length)
     seen = 0
     drafter = module.module.drafter if hasattr(module, "module") else module.drafter
@@ -360,8 +361,10 @@ def _evaluate(module, reader: DumpReader, embed, head, d, tc, dtype) -> dict:
         else:
             _loss, st = fast_ttt_loss(drafter, si, tc.ttt_decay, 1.0)
         stats += st
+        walk += served_walk(si.correct.cpu(), si.lm[0].cpu()).to(walk.device)
     d.all_sum(stats)
-    return {"tokens": seen, **summarize(stats)}
+    d.all_sum(walk)
+    return {"tokens": seen, **summarize(stats), **served_figures(walk)}
 
 
 def evaluate_drafter(cfg: LifecycleConfig, store: ObjectStore, drafter_dir: str | Path, dump: str,

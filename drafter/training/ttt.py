@@ -73,6 +73,7 @@ class StepInputs:
     hit: list[torch.Tensor] = None    # per k: rows of A_k that carry a loss
     hit_k: torch.Tensor = None        # every loss row of every step, in step order: its step k
     hit_at: torch.Tensor = None       # ... and its packed position t
+    correct: torch.Tensor = None      # bool [K, T] after the loss: step k at t was right (evaluation reads it)
 
 
 def doc_positions(doc_lens: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -263,6 +264,7 @@ def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: floa
         prev_h = h
     if not hs:  # no loss position in this micro-batch: a zero that backward accepts
         total = torch.zeros((), dtype=acc_dtype, device=dev) + 0.0 * h_in.sum()
+        si.correct = correct
         return total, step_stats(si.lm, si.pm, loss_sums, correct)
     n = sum(x.shape[0] for x in hs)
     ks, at = si.hit_k[:n], si.hit_at[:n]
@@ -273,6 +275,7 @@ def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: floa
     with torch.no_grad():
         loss_sums.index_add_(0, ks, ce.double())
         correct[ks, at] = model.draft_to_target(pred) == si.target_id[ks, at]
+    si.correct = correct
     return total, step_stats(si.lm, si.pm, loss_sums, correct)
 
 
