@@ -26,3 +26,17 @@ def one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """One Prefect test server (its own home and result storage) for a module's flow runs (~11 s
+    to start)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    home = tmp_path_factory.mktemp("prefect")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREFECT_HOME", str(home))
+        mp.setenv("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(home / "results"))
+        with prefect_test_harness(server_startup_timeout=60):
+            yield

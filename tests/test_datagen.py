@@ -602,19 +602,7 @@ def test_reference_engine_on_tiny_target(tmp_path, tiny_target):
         s.bind(("127.0.0.1", port))
 
 
-@pytest.fixture(scope="module")
-def prefect_harness(tmp_path_factory):
-    from prefect.testing.utilities import prefect_test_harness
-
-    home = tmp_path_factory.mktemp("prefect")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PREFECT_HOME", str(home))
-        mp.setenv("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(home / "results"))
-        with prefect_test_harness(server_startup_timeout=60):
-            yield
-
-
-def test_task_retries_a_server_down_and_resumes(tmp_path, fakes, prefect_harness):
+def test_task_retries_a_server_down_and_resumes(tmp_path, fakes, prefect_server):
     from prefect import flow
 
     from drafter.stages import TABLE

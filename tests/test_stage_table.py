@@ -91,19 +91,6 @@ def test_every_stage_has_a_deployment():
         assert dep["entrypoint"] == "flows/lifecycle.py:drafter_lifecycle"
 
 
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    """One Prefect test server for this module's flow runs (~11 s to start)."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    home = tmp_path_factory.mktemp("prefect")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PREFECT_HOME", str(home))
-        mp.setenv("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(home / "results"))
-        with prefect_test_harness(server_startup_timeout=60):
-            yield
-
-
 def test_a_new_stage_is_one_module_and_one_row(tmp_path, tiny_target, prefect_server):
     """A fake stage added to a copy of the table runs through the real flow (a Prefect test
     server), reads its upstream's output by the fingerprint the table gives, and skips on a re-run."""
