@@ -61,8 +61,9 @@ class TTTModule(torch.nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, si, decay: float, norm: float, attention: str = "auto", compile: bool = False):
-        return fast_ttt_loss(self.drafter, si, decay, norm, attention, compile)
+    def forward(self, si, decay: float, norm: float, attention: str = "auto", compile: bool = False,
+                return_correct: bool = False):
+        return fast_ttt_loss(self.drafter, si, decay, norm, attention, compile, return_correct)
 
 
 def check_init_from(model: Eagle3Drafter, target: dict, aux_layer_ids: list[int], draft_vocab_size: int) -> None:
@@ -356,12 +357,12 @@ def _evaluate(module, reader: DumpReader, embed, head, d, tc, dtype) -> dict:
         if i % d.world != d.rank:
             continue
         si = prepare(mb, embed, head, tc.ttt_length, d.device, dtype)
-        if tc.parallel == "fsdp" and d.active:
-            _loss, st = module(si, tc.ttt_decay, 1.0)  # FSDP2 gathers the shards in forward
+        if tc.parallel == "fsdp" and d.active:  # FSDP2 gathers the shards in forward
+            _loss, st, correct = module(si, tc.ttt_decay, 1.0, return_correct=True)
         else:
-            _loss, st = fast_ttt_loss(drafter, si, tc.ttt_decay, 1.0)
+            _loss, st, correct = fast_ttt_loss(drafter, si, tc.ttt_decay, 1.0, return_correct=True)
         stats += st
-        walk += served_walk(si.correct.cpu(), si.lm[0].cpu()).to(walk.device)
+        walk += served_walk(correct.cpu(), si.lm[0].cpu()).to(walk.device)
     d.all_sum(stats)
     d.all_sum(walk)
     return {"tokens": seen, **summarize(stats), **served_figures(walk)}

@@ -73,7 +73,6 @@ class StepInputs:
     hit: list[torch.Tensor] = None    # per k: rows of A_k that carry a loss
     hit_k: torch.Tensor = None        # every loss row of every step, in step order: its step k
     hit_at: torch.Tensor = None       # ... and its packed position t
-    correct: torch.Tensor = None      # bool [K, T] after the loss: step k at t was right (evaluation reads it)
 
 
 def doc_positions(doc_lens: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -221,8 +220,9 @@ def _fn(name: str, fn, compile: bool):
 
 
 def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: float,
-                  attention: str = "auto", compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted loss, statistics [K, len(STATS)] float64) of one micro-batch.
+                  attention: str = "auto", compile: bool = False, return_correct: bool = False) -> tuple:
+    """(weighted loss, statistics [K, len(STATS)] float64) of one micro-batch; with
+    `return_correct` also bool [K, T]: step k at t was right (the evaluation's served walk).
 
     The unroll runs the attention / MLP chain step by step; the drafter's lm_head and the loss of
     every step's loss rows run afterwards in one chunked pass (`linear_soft_cross_entropy`)."""
@@ -264,8 +264,8 @@ def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: floa
         prev_h = h
     if not hs:  # no loss position in this micro-batch: a zero that backward accepts
         total = torch.zeros((), dtype=acc_dtype, device=dev) + 0.0 * h_in.sum()
-        si.correct = correct
-        return total, step_stats(si.lm, si.pm, loss_sums, correct)
+        stats = step_stats(si.lm, si.pm, loss_sums, correct)
+        return (total, stats, correct) if return_correct else (total, stats)
     n = sum(x.shape[0] for x in hs)
     ks, at = si.hit_k[:n], si.hit_at[:n]
     weights = torch.tensor([(decay ** k) / norm for k in range(si.K)], dtype=acc_dtype, device=dev)[ks]
@@ -275,8 +275,8 @@ def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: floa
     with torch.no_grad():
         loss_sums.index_add_(0, ks, ce.double())
         correct[ks, at] = model.draft_to_target(pred) == si.target_id[ks, at]
-    si.correct = correct
-    return total, step_stats(si.lm, si.pm, loss_sums, correct)
+    stats = step_stats(si.lm, si.pm, loss_sums, correct)
+    return (total, stats, correct) if return_correct else (total, stats)
 
 
 @torch.no_grad()
