@@ -69,10 +69,17 @@ T = TypeVar("T")
 RETOKENIZE_WARN_BELOW = 0.95  # retokenize_agreement under this: the text would have trained wrong sequences
 
 
+# Bump when what a datagen output holds changes for the same settings: 2 = answers carry the
+# engine's token ids, so outputs written before (text only, re-tokenized by the dump) are neither
+# skipped nor reused.
+DATAGEN_RECORD_VERSION = 2
+
+
 def _settings(cfg: LifecycleConfig) -> dict:
     # The answers depend on the target's weights and on the name requests use.
     target = {"served_name": cfg.target.served_name, **target_identity(cfg.target)}
-    return {"datagen": fingerprint_fields(cfg.datagen), "target": target, "splits": list(SPLITS)}
+    return {"datagen": fingerprint_fields(cfg.datagen), "target": target, "splits": list(SPLITS),
+            "records": DATAGEN_RECORD_VERSION}
 
 
 def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
