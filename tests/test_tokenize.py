@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from drafter.demo_target import CHAT_TEMPLATE, EOT
-from drafter.tokenize import (conversation_tokens, end_of_turn_ids, has_generation_markers, retokenize_agreement,
+from drafter.tokenize import (answer_spans, conversation_tokens, end_of_turn_ids, has_generation_markers, retokenize_agreement,
                               template_hash, tokenize_conversation, tokenizer_hash)
 
 NO_MARKERS = CHAT_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
@@ -47,17 +47,6 @@ def conversations(tiny_conversations):
     return out
 
 
-def masked_spans(ids: list[int], mask: list[int]) -> list[list[int]]:
-    spans, cur = [], []
-    for token, m in zip(ids, mask):
-        if m:
-            cur.append(token)
-        elif cur:
-            spans.append(cur)
-            cur = []
-    return spans + ([cur] if cur else [])
-
-
 def expected_answers(messages: list[dict]) -> list[str]:
     return [m["content"].strip() + EOT for m in messages if m["role"] == "assistant"]
 
@@ -73,7 +62,7 @@ def test_masked_spans_are_exactly_the_answers_and_eot(tokenizer, conversations, 
         # The ids are the template's own tokenisation, untouched.
         assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
         assert len(mask) == len(ids) and set(mask) <= {0, 1}
-        spans = masked_spans(ids, mask)
+        spans = answer_spans(ids, mask)
         assert [tok.decode(s) for s in spans] == expected_answers(messages)
 
 
@@ -169,11 +158,11 @@ def test_ids_equal_to_the_text_give_the_text_paths_answers(tokenizer, conversati
     for messages in conversations:
         text_ids, text_mask, exact = conversation_tokens(tok, messages, eot)
         assert not exact  # no ids: re-tokenised, as before
-        spans = masked_spans(text_ids, text_mask)
+        spans = answer_spans(text_ids, text_mask)
         answers = spans if engine_returns_stop_token else [s[:-1] for s in spans]
         ids, mask, exact = conversation_tokens(tok, with_ids(messages, answers), eot)
         assert exact and len(ids) == len(mask)
-        assert masked_spans(ids, mask) == spans
+        assert answer_spans(ids, mask) == spans
         assert tok.decode(ids) == tok.decode(text_ids)
         # the first prompt is the template's generation prompt, tokenised as an engine tokenises it
         prompt = tok(tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True),
@@ -187,9 +176,9 @@ def test_the_engines_ids_are_kept_where_re_tokenising_would_merge_them(tokenizer
     messages = conversations[0]
     answers = [char_ids(tokenizer, m["content"].strip()) + [eot_id] for m in messages if m["role"] == "assistant"]
     ids, mask, exact = conversation_tokens(tokenizer, with_ids(messages, answers), eot)
-    assert exact and masked_spans(ids, mask) == answers
+    assert exact and answer_spans(ids, mask) == answers
     assert tokenize_conversation(tokenizer, with_ids(messages, answers), 10_000) == (ids, mask)
-    retokenised = masked_spans(*tokenize_conversation(tokenizer, messages, 10_000))
+    retokenised = answer_spans(*tokenize_conversation(tokenizer, messages, 10_000))
     assert retokenised != answers  # BPE merges characters: the text alone would have been wrong
     tokens, same = retokenize_agreement(tokenizer, with_ids(messages, answers), eot)
     assert tokens == sum(map(len, answers)) and same < tokens
@@ -201,7 +190,7 @@ def test_agreement_counts_the_tokens_re_tokenising_reproduces(tokenizer):
     """One answer token emitted as its characters: every other token still agrees, in order."""
     eot = end_of_turn_ids(tokenizer)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the answer is forty two"}]
-    span = masked_spans(*tokenize_conversation(tokenizer, messages, 10_000))[0]
+    span = answer_spans(*tokenize_conversation(tokenizer, messages, 10_000))[0]
     i = next(k for k, t in enumerate(span[:-1]) if len(tokenizer.decode([t])) > 1
              and not set(char_ids(tokenizer, tokenizer.decode([t]))) & set(span))
     chars = char_ids(tokenizer, tokenizer.decode([span[i]]))
@@ -233,5 +222,5 @@ def test_a_template_without_a_generation_prompt_keeps_the_header_out_of_the_loss
     for messages in conversations[:4]:
         answers = [char_ids(tokenizer, m["content"].strip()) + [eot_id] for m in messages if m["role"] == "assistant"]
         ids, mask, exact = conversation_tokens(no_prompt, with_ids(messages, answers), end_of_turn_ids(no_prompt))
-        assert exact and masked_spans(ids, mask) == answers
+        assert exact and answer_spans(ids, mask) == answers
         assert no_prompt.decode(ids) == no_prompt.apply_chat_template(messages, tokenize=False)
