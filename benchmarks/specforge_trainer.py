@@ -99,8 +99,7 @@ def train_specforge(cfg, store, dump_fp: str, out_dir: Path, *, device: str, epo
         head_weight = lm_head.to(dev, dtype)
         model = OnlineEagle3Model(draft, length=tc.ttt_length, attention_backend=backend)
 
-        samples = [n for n in (min(int(s.meta.get("samples", 0)), 1 << 62) for s in reader.shard_info)]
-        per_epoch = sum(samples)
+        per_epoch = sum(int(s.meta.get("samples", 0)) for s in reader.shard_info)  # batch 1: a step per sample
         total_steps = max(1, epochs * per_epoch)
         opt = BF16Optimizer(draft, lr=SPECFORGE_DEFAULTS["learning_rate"],
                             max_grad_norm=SPECFORGE_DEFAULTS["max_grad_norm"], total_steps=total_steps,

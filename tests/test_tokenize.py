@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from drafter.demo_target import CHAT_TEMPLATE, EOT
-from drafter.tokenize import (answer_spans, conversation_tokens, end_of_turn_ids, has_generation_markers, retokenize_agreement,
-                              template_hash, tokenize_conversation, tokenizer_hash)
+from drafter.tokenize import (answer_spans, conversation_tokens, end_of_turn_ids, has_generation_markers,
+                              retokenize_agreement, template_hash, tokenize_conversation, tokenizer_hash)
 
 NO_MARKERS = CHAT_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
 # ChatML-like layout: a newline after every end-of-turn token (not generated, so never masked).
