@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # CPU build by default (this is what CI and the demo use). On a GPU host: make install TORCH=torch==2.11.0
 TORCH ?= torch==2.13.0
 
-.PHONY: install vllm-env test demo demo-retrain demo-ui demo-down clean-runs
+.PHONY: install vllm-env sglang-env test demo demo-retrain demo-ui demo-down clean-runs
 
 # vLLM is a serving engine with its own installation (as in production): a separate virtualenv whose
 # interpreter `serve.python` / `dump.python` name. Its CPU build runs the real-engine tests here.
@@ -40,9 +40,32 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_PY) -c "import vllm, vllm.entrypoints.openai.api_server; print('vllm', vllm.__version__)"
 	touch $@
 
-# The real-vLLM tests find the engine through DRAFTER_VLLM_PYTHON; they fail (not skip) without it.
-test: install vllm-env
-	DRAFTER_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q
+# SGLang's own code (argument resolution, layer-id rule, draft-model loader, a server without
+# speculation) in a lite venv: the CPU torch, `sglang --no-deps` and its pure-Python dependencies.
+# SGLang pins a CUDA torch and CUDA-only packages (an 11 GB venv); pip reports that conflict and goes on.
+# The CUDA-only kernels and torchvision are replaced by tests/sglang_standins in the tests' processes only.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG ?= sglang==0.5.23
+
+sglang-env: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: infra/sglang-cpu-requirements.txt
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --upgrade pip
+	$(SGLANG_PY) -c "import torch" 2>/dev/null || $(SGLANG_PY) -m pip install -q "$(TORCH)"
+	$(SGLANG_PY) -c "import torch; print('torch==' + torch.__version__)" > $(SGLANG_VENV)/torch-constraint.txt
+	$(SGLANG_PY) -m pip install -q --no-deps "$(SGLANG)"
+	$(SGLANG_PY) -m pip install -q -c $(SGLANG_VENV)/torch-constraint.txt -r infra/sglang-cpu-requirements.txt
+	# timm pulls the registry torchvision, a CUDA build that fails to load with the CPU torch.
+	$(SGLANG_PY) -m pip uninstall -y -q torchvision
+	PYTHONPATH=tests/sglang_standins $(SGLANG_PY) -c "import sglang, sglang.srt.server_args; print('sglang', sglang.__version__)"
+	touch $@
+
+# The real-engine tests find vLLM through DRAFTER_VLLM_PYTHON and SGLang through DRAFTER_SGLANG_PYTHON;
+# they fail (not skip) without them.
+test: install vllm-env sglang-env
+	DRAFTER_VLLM_PYTHON=$(abspath $(VLLM_PY)) DRAFTER_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q
 
 demo: install
 	infra/demo.sh
