@@ -53,13 +53,34 @@ def config_validate(files: list[Path] = typer.Argument(..., help="profiles to ch
             problems = [] if offline else path_problems(cfg)
             if problems:
                 raise ConfigError(problems, str(path))
-            typer.echo(f"{path}: ok")
+            decided = _sglang_decides(cfg, path) if cfg.serve.engine == "sglang" else ""
+            typer.echo(f"{path}: ok{decided}")
         except ConfigError as err:
             failed += 1
             typer.echo(f"{path}: {len(err.problems)} problem(s)", err=True)
             for field, msg in err.problems:
                 typer.echo(f"  {field}: {msg}", err=True)
     raise typer.Exit(1 if failed else 0)
+
+
+def _sglang_decides(cfg: LifecycleConfig, path: Path) -> str:
+    """The installed SGLang (serve.python) resolves every launch of the profile and names the layers it
+    captures; a disagreement with our rules is a problem of the profile. Says which source decided."""
+    from drafter.serving.errors import ServerConfigError
+    from drafter.serving.sglang_rules import validate_with_sglang
+
+    try:
+        report = validate_with_sglang(cfg)
+    except ServerConfigError as err:
+        raise ConfigError([("serve", err.message)], str(path)) from None
+    if not report["asked_sglang"]:
+        return f" (sglang: {report['source']})"
+    checked = ", ".join(f"{l['setting']} -> {l['resolved']['num_steps']}/{l['resolved']['eagle_topk']}/"
+                        f"{l['resolved']['num_draft_tokens']}" for l in report["launches"] if l["resolved"]["algorithm"])
+    layers = report.get("layers")
+    return (f" (checked by {report['source']}: {checked}"
+            + (f"; draft ids {layers['ids']} capture the outputs of layers {layers['aux_layer_ids']}" if layers else "")
+            + ")")
 
 
 @config_app.command("show")

@@ -384,7 +384,8 @@ class SpeculativeConfig(Strict):
             missing = [k for k in given if k not in set_]
             raise ValueError(
                 f"set all three of num_steps, eagle_topk, num_draft_tokens or none "
-                f"(SGLang asserts otherwise); set: {set_}, missing: {missing}")
+                f"(SGLang 0.5.23 fails on some partial sets and starts others with a value unset); set: {set_}, "
+                f"missing: {missing}")
         if len(set_) == 3:
             s, k, d = self.num_steps, self.eagle_topk, self.num_draft_tokens
             if k == 1 and d != s + 1:
@@ -394,7 +395,7 @@ class SpeculativeConfig(Strict):
             if s * k + 1 < d:
                 raise ValueError(
                     f"num_steps*eagle_topk + 1 = {s * k + 1} < num_draft_tokens = {d}: "
-                    f"the draft tree cannot hold that many tokens")
+                    f"the draft tree cannot hold that many tokens (SGLang 0.5.23 accepts it; we are stricter)")
         return self
 
     @property

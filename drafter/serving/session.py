@@ -30,6 +30,7 @@ from drafter.serving.errors import ServerConfigError, TeardownError
 from drafter.serving.gate import wait_until_ready
 from drafter.serving.launcher import OnLine, ServerProcess, TeardownReport, launch_file, preflight, reap_stale
 from drafter.serving.layer_check import check_draft_layer_ids
+from drafter.serving.sglang_rules import preflight_with_sglang
 
 log = logging.getLogger("drafter.serving")
 
@@ -117,6 +118,7 @@ class ServerSession:
         self.base_url: str | None = None
         self.notes: list[str] = []
         self.layer_ids: dict[str, Any] = {}   # what the layer-id check saw (engine version, ids, rule)
+        self.sglang_rules: dict[str, Any] = {}  # sglang: who decided how it reads our flags (drafter.serving.sglang_rules)
         self.process: ServerProcess | None = None
         self.teardown: TeardownReport | None = None
         self._stack: ExitStack | None = None
@@ -149,6 +151,10 @@ class ServerSession:
                                   f"({self.layer_ids['version_source']}): layer ids "
                                   + (f"{self.layer_ids['ids']} capture our {self.layer_ids['aux_layer_ids']}"
                                      if self.layer_ids.get("checked") else f"not checked: {self.layer_ids['why']}"))
+            if engine.name == "sglang":  # the installed SGLang decides how it reads our flags and ids
+                self.sglang_rules = preflight_with_sglang(cfg, spec.argv, spec.env, engine_python(cfg), self.layer_ids,
+                                                         speculating=self.draft_path is not None)
+                self.notes.append(f"sglang rules: {self.sglang_rules['source']}")
             for note in self.notes:
                 log.info("%s preflight: %s", engine.name, note)
             self.process = ServerProcess(spec, engine, self.log_path, self.on_line).start()

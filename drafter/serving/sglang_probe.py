@@ -22,6 +22,7 @@ entry c is the hidden state entering decoder layer c, i.e. the output of layer c
 """
 import contextlib
 import dataclasses
+import io
 import json
 import logging
 import sys
@@ -75,8 +76,10 @@ def resolve(argv: list) -> dict:
         argv += ["--device", "cpu"]
     catcher = _Warnings()
     logging.getLogger("sglang").addHandler(catcher)  # not root: SGLang may reconfigure the root logger
+    usage = io.StringIO()
     try:
-        sa = prepare_server_args(argv)
+        with contextlib.redirect_stderr(usage):  # argparse explains a rejected flag on stderr, then exits
+            sa = prepare_server_args(argv)
         sa.resolve_once()
         sa.check_server_args()
         view = resolved_view(sa)
@@ -84,7 +87,10 @@ def resolve(argv: list) -> dict:
         resolved = {f: _jsonable(getattr(view, f, None)) for f in names if not f.startswith("_")}
         overrides = [[name, _jsonable(changes)] for name, changes in getattr(sa, "_resolved_overrides", [])]
         return {"resolved": resolved, "overrides": overrides, "warnings": catcher.messages}
-    except BaseException as err:  # SGLang rejects with ValueError, AssertionError, SystemExit (argparse)
+    except SystemExit as err:
+        why = (usage.getvalue().strip().splitlines() or [f"exit {err.code}"])[-1]
+        return {"error": f"argument error: {why}", "warnings": catcher.messages}
+    except BaseException as err:  # SGLang rejects with ValueError, AssertionError, TypeError
         return {**_error(err), "warnings": catcher.messages}
     finally:
         logging.getLogger("sglang").removeHandler(catcher)
