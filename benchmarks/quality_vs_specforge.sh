@@ -1,26 +1,50 @@
 #!/usr/bin/env bash
-# Our trainer against SpecForge 0.2.0's on the same data, on one GPU, in one call: the target is
-# built once, then four processes share the GPU: SpecForge and ours at a small budget (800
-# conversations) and at a 5x one (4000), each judged by our judge; --merge pairs them per budget.
+# Our trainer against SpecForge 0.2.0's on the same data, on one GPU, one budget per call: the
+# target is built once (found again if already built), then two processes share the GPU:
+# SpecForge alone in one, our variants one after the other in the other, each judged by our judge
+# on the same held-out prompts; --merge pairs every variant of ours with SpecForge (paired 95% CI).
 # Needs .whl/ (specforge-0.2.0 + pydantic wheels) and .bench-data/sharegpt.jsonl.gz
 # (`python3 benchmarks/bench_drafter_quality.py --write-corpus .bench-data/sharegpt.jsonl.gz`).
-# Usage (on the GPU host): OUT=/some/dir bash benchmarks/quality_vs_specforge.sh
+# Usage (on the GPU host, in the repo root):
+#   OUT=/some/dir CONVERSATIONS=4000 STEPS=3 bash benchmarks/quality_vs_specforge.sh
+#   OUT=/some/dir CONVERSATIONS=800 STEPS=1,3 \
+#     VARIANTS='ours={} b1024={"tokens_per_micro_batch":1024} ours_2ep={"epochs":2}' bash benchmarks/quality_vs_specforge.sh
+# Environment: CONVERSATIONS (budget, default 800), STEPS (draft steps judged, topk 1, default 1,3),
+# VARIANTS (space-separated NAME=JSON train overrides, JSON without spaces; default
+# 'ours={} b1024={"tokens_per_micro_batch":1024}'), PROMPTS (held-out prompts judged, default 32),
+# MAX_NEW_TOKENS (default 96), EPOCHS (default 1), DEADLINE (seconds after this script starts at
+# which both trainer processes are stopped, default 578, so the whole call ends inside 10 minutes).
+# Writes into OUT: target.log, specforge.log, ours.log (as they run), specforge/quality.json,
+# ours/quality.json, merged/quality-merged.json, times.txt.
 set -u
-OUT="${OUT:?set OUT}"; LIMIT="${LIMIT:-420}"   # seconds per process after the target build
+OUT="${OUT:?set OUT}"
+CONVERSATIONS="${CONVERSATIONS:-800}"; STEPS="${STEPS:-1,3}"; PROMPTS="${PROMPTS:-32}"
+MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-96}"; EPOCHS="${EPOCHS:-1}"; DEADLINE="${DEADLINE:-578}"
+VARIANTS="${VARIANTS:-ours={\} b1024={\"tokens_per_micro_batch\":1024\}}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
-B="python3 benchmarks/bench_drafter_quality.py --corpus .bench-data/sharegpt.jsonl.gz --target-dir /tmp/target --epochs 1 --prompts 16 --max-new-tokens 96 --plain-train"
-mkdir -p "$OUT"/a1 "$OUT"/a2 "$OUT"/b1 "$OUT"/b2 /tmp/logs
-$B --target-only > /tmp/logs/t.txt 2>&1
-timeout "$LIMIT" $B --work /tmp/a1 --out "$OUT"/a1 --conversations 800 --steps 1,3 --only-specforge > /tmp/logs/a1.txt 2>&1 &
-timeout "$LIMIT" $B --work /tmp/a2 --out "$OUT"/a2 --conversations 800 --steps 1,3 --variant 'lr6e-4={"learning_rate":6e-4}' \
-  --variant 'lr6e-4_2ep={"learning_rate":6e-4,"epochs":2}' > /tmp/logs/a2.txt 2>&1 &
-timeout "$LIMIT" $B --work /tmp/b1 --out "$OUT"/b1 --conversations 4000 --steps 3 --only-specforge > /tmp/logs/b1.txt 2>&1 &
-timeout "$LIMIT" $B --work /tmp/b2 --out "$OUT"/b2 --conversations 4000 --steps 3 --variant 'lr6e-4={"learning_rate":6e-4}' \
-  --variant 'lr1e-3={"learning_rate":1e-3}' > /tmp/logs/b2.txt 2>&1 &
-wait
-$B --merge "$OUT"/a1/quality.json "$OUT"/a2/quality.json --out "$OUT"/a > /dev/null 2>&1
-$B --merge "$OUT"/b1/quality.json "$OUT"/b2/quality.json --out "$OUT"/b > /dev/null 2>&1
-for f in /tmp/logs/*.txt; do echo "== $f"; grep -v -i 'warn\|Loading weights\|Writing model\|^ *$' "$f" | tail -n 25 | cut -c1-400; done > "$OUT"/logs.txt
-tail -n 60 "$OUT"/logs.txt
+B="python3 benchmarks/bench_drafter_quality.py --corpus .bench-data/sharegpt.jsonl.gz --target-dir /tmp/target
+   --epochs $EPOCHS --prompts $PROMPTS --max-new-tokens $MAX_NEW_TOKENS --plain-train"
+VARGS=()
+for v in $VARIANTS; do VARGS+=(--variant "$v"); done
+W=/tmp/quality-$CONVERSATIONS
+mkdir -p "$OUT"/specforge "$OUT"/ours "$OUT"/merged
+echo "start $(date -u +%T) conversations=$CONVERSATIONS steps=$STEPS prompts=$PROMPTS variants=$VARIANTS" > "$OUT"/times.txt
+$B --target-only > "$OUT"/target.log 2>&1 || { echo "target build failed"; tail -n 40 "$OUT"/target.log; exit 1; }
+LIMIT=$(( DEADLINE - SECONDS ))
+echo "target done $(date -u +%T) after ${SECONDS}s; trainer processes get ${LIMIT}s" >> "$OUT"/times.txt
+timeout -k 5 "$LIMIT" $B --work $W-sf --out "$OUT"/specforge --conversations "$CONVERSATIONS" --steps "$STEPS" \
+  --only-specforge > "$OUT"/specforge.log 2>&1 &
+SF=$!
+timeout -k 5 "$LIMIT" $B --work $W-ours --out "$OUT"/ours --conversations "$CONVERSATIONS" --steps "$STEPS" \
+  "${VARGS[@]}" > "$OUT"/ours.log 2>&1 &
+OURS=$!
+wait $OURS; echo "ours rc=$? at ${SECONDS}s" >> "$OUT"/times.txt
+wait $SF; echo "specforge rc=$? at ${SECONDS}s" >> "$OUT"/times.txt
+$B --merge "$OUT"/specforge/quality.json "$OUT"/ours/quality.json --out "$OUT"/merged > /dev/null 2>&1 \
+  || echo "merge failed (a process did not finish?)" >> "$OUT"/times.txt
+echo "end $(date -u +%T) after ${SECONDS}s" >> "$OUT"/times.txt
+cat "$OUT"/times.txt
+NAMES=$(for v in $VARIANTS; do printf '\\|^%s ' "${v%%=*}"; done)
+grep -h "^target\|^dump\|^specforge\|^vs specforge$NAMES" "$OUT"/specforge.log "$OUT"/ours.log | cut -c1-700
