@@ -315,7 +315,7 @@ def test_planted_key_renamed(pair, tmp_path):
     _edit_tensors(out, rename)
     msg = _problems(out, src, info)
     assert "misses keys SGLang loads" in msg and "midlayer.self_attn.q_proj.weight" in msg
-    assert "silently drop" in msg and "'layers.0.' is the speculators/vLLM name" in msg
+    assert "outside the SGLang layout" in msg and "'layers.0.' is the speculators/vLLM name" in msg
 
 
 def test_planted_drafter_trained_for_another_target(pair, eval_conversations, tmp_path):

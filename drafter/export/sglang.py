@@ -191,8 +191,12 @@ def check_sglang_export(out_dir: str | Path, source: Eagle3Drafter, target: Targ
     if unknown:
         hint = ""
         if any(k.startswith("layers.0.") for k in unknown):
-            hint = " ('layers.0.' is the speculators/vLLM name; SGLang's is 'midlayer.')"
-        problems.append(f"{WEIGHTS_FILE} has keys SGLang would silently drop: {unknown}{hint}")
+            # SGLang 0.5.23's loader maps any key containing "midlayer" and also takes 'layers.0.'
+            # (tests/test_sglang_export.py); our export writes one layout, so anything else is a mistake.
+            hint = (" ('layers.0.' is the speculators/vLLM name; our SGLang export writes 'midlayer.', "
+                    "though SGLang 0.5.23 loads both)")
+        problems.append(f"{WEIGHTS_FILE} has keys outside the SGLang layout (SGLang silently drops keys it does "
+                        f"not know): {unknown}{hint}")
     shapes = {k: shape for k, (shape, _) in expected.items()}
     shapes[EMBED_KEY] = (target.vocab_size, sc.hidden_size)
     for key in sorted(set(tensors) & set(shapes)):
