@@ -156,6 +156,19 @@ def train(config: Path = ConfigOpt,
     _run_stage("train", cfg, unit="step", on_line=lambda line: typer.echo(line, err=True))
 
 
+def _writable_folder(path: Path, hint: str) -> None:
+    """A usage error unless `path` is (or can be made) a folder we can write into."""
+    if path.exists() and not path.is_dir():
+        raise typer.BadParameter(f"{path} exists and is not a folder", param_hint=hint)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".drafter-write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise typer.BadParameter(f"cannot write into {path}: {err.strerror or err}", param_hint=hint) from None
+
+
 @app.command("export")
 def export(config: Path = ConfigOpt,
            out: Optional[Path] = typer.Option(None, help="also write the export here, one folder per format, "
@@ -165,6 +178,8 @@ def export(config: Path = ConfigOpt,
     from drafter.store import open_store
 
     cfg = _load(config)
+    if out is not None:  # before the stage runs: a bad --out must not cost a judged export
+        _writable_folder(out, "'--out'")
     result = _run_stage("export", cfg, unit="prompt")
     if out is not None:
         for fmt, path in write_local(open_store(cfg.storage), result.fingerprint, out).items():
@@ -247,8 +262,15 @@ def storage_estimate(tokens: float = typer.Option(..., help="corpus size in toke
                      hidden: int = typer.Option(..., help="target hidden size, e.g. 7168"),
                      dtype: str = typer.Option("bfloat16", help="stored dtype")) -> None:
     """How much object storage the hidden-state dump of a corpus needs (3 aux + final per token)."""
+    from drafter.dtypes import DTYPES
     from drafter.shards import project_corpus
 
+    if tokens < 1:
+        raise typer.BadParameter(f"{tokens:g}: a corpus has at least 1 token", param_hint="'--tokens'")
+    if hidden < 1:
+        raise typer.BadParameter(f"{hidden}: a hidden size is at least 1", param_hint="'--hidden'")
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"{dtype!r} is not one of {sorted(DTYPES)}", param_hint="'--dtype'")
     typer.echo(project_corpus(int(tokens), hidden, dtype))
 
 
@@ -311,6 +333,10 @@ def verify(target: str = typer.Argument(..., help="a stage name (its output for 
         root, _, rest = target.rstrip("/").rpartition("/")
         root, _, stage = root.rpartition("/")
         fingerprint = rest
+        if stage not in TABLE.names or not fingerprint or "://" not in root:
+            raise typer.BadParameter(f"{target}: an output URI is ROOT/STAGE/FINGERPRINT, e.g. "
+                                     f"file:///data/store/dump/ab12cd34ef56ab78 (stages: {', '.join(TABLE.names)})",
+                                     param_hint="'TARGET'")
         storage = cfg.storage.model_copy(update={"root": root}) if cfg else None
         from drafter.config import StorageConfig
 
@@ -368,22 +394,36 @@ def _progress_bar(desc: str, unit: str = "it") -> _Bar:
     return _Bar(desc, unit)
 
 
+def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(usage errors, aborts) of every click the app may raise: typer >= 0.29 raises those of its own
+    vendored copy (typer._click), older typer those of click itself."""
+    import importlib
+
+    usage, aborts = [], []
+    for errors, abort in (("typer._click.exceptions", "typer.exceptions"), ("click.exceptions", "click.exceptions")):
+        try:
+            usage.append(importlib.import_module(errors).ClickException)
+            aborts.append(importlib.import_module(abort).Abort)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(usage), tuple(aborts)
+
+
 def main() -> None:
     """Console entry point, the one error boundary: an expected failure (any DrafterError: bad
     input, a missing upstream output, a corrupt shard, a server that would not start...) is one
     line on stderr and a documented exit code (drafter.errors), its traceback only with --debug;
     Ctrl-C / SIGTERM exit 130 / 143; anything else is a bug and keeps its traceback."""
-    import click
-
     from drafter.errors import EXIT_INTERRUPTED, DrafterError, describe, exit_code
     from drafter.serving.session import Terminated
 
+    usage_errors, aborts = _click_exceptions()
     try:
         code = app(standalone_mode=False)
-    except click.exceptions.ClickException as err:  # usage: bad option, missing argument
+    except usage_errors as err:  # usage: bad option, missing argument, unknown command (exit 2)
         err.show()
         code = err.exit_code
-    except click.exceptions.Abort as err:  # click's wrapper of KeyboardInterrupt
+    except aborts as err:  # click's wrapper of KeyboardInterrupt
         cause = err.__cause__ or err.__context__
         typer.echo("interrupted", err=True)
         code = cause.exit_code if isinstance(cause, Terminated) else EXIT_INTERRUPTED

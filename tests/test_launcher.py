@@ -288,8 +288,18 @@ def test_preflight_reports_every_problem(tmp_path):
     assert any("model path does not exist: /nonexistent/model" in p for p in problems)
     assert any("draft path does not exist: ./missing-draft" in p for p in problems)
     assert any("GB free" in p for p in problems)
-    # hub ids are not local paths; an existing local path passes
+    # an existing folder that is not a drafter is refused before any launch
     spec.model_path, spec.draft_path = "meta-llama/Llama-3.1-8B-Instruct", str(tmp_path)
+    with pytest.raises(ServerConfigError, match="is not a drafter: it has no config.json"):
+        preflight(spec, check_gpus=False)
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    with pytest.raises(ServerConfigError, match=r"is not a drafter: it has no \*.safetensors weights"):
+        preflight(spec.__class__(**{**spec.__dict__, "draft_path": str(draft)}), check_gpus=False)
+    (draft / "model.safetensors").write_bytes(b"")
+    # hub ids are not local paths; an existing local drafter passes
+    spec.draft_path = str(draft)
     assert preflight(spec, check_gpus=False) == []
     spec.argv = ["no-such-server-binary", "--port", "1"]
     with pytest.raises(ServerConfigError, match="executable not found"):

@@ -113,7 +113,7 @@ def test_kimi_profile_validates_and_its_ids_capture_the_layers_it_names(tmp_path
 
 def _draft(tmp_path, written, ours, layout="sglang", version=None):
     d = tmp_path / f"draft-{layout}"
-    d.mkdir(exist_ok=True)
+    d.mkdir(parents=True, exist_ok=True)
     record = {"aux_layer_ids": ours, **({"engine_version": version} if version else {})}
     config = ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": written}} if layout == "sglang"
               else {"eagle_aux_hidden_state_layer_ids": written})
@@ -163,4 +163,24 @@ def test_serve_without_the_engine_importable_says_which_version_it_assumed(tmp_p
     seen = check_draft_layer_ids("sglang", draft, target, sys.executable)  # no sglang in the project env
     assert seen["checked"] and seen["engine_version"] == "0.5.23"
     assert "not importable" in seen["version_source"] and "the export was written for" in seen["version_source"]
-    assert check_draft_layer_ids("reference", draft, target, sys.executable)["checked"] is False
+    assert check_draft_layer_ids("reference", draft, target, sys.executable)["checked"] is True
+
+
+def test_the_reference_engine_refuses_ids_it_would_read_wrong(tmp_path):
+    """It reads draft-config ids as ours: an export written +1 for another engine, or ids outside the
+    target, are refused before launch (they used to crash it, retryable)."""
+    import sys
+
+    from drafter.serving.errors import ServerConfigError
+    from drafter.serving.layer_check import check_draft_layer_ids
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32}))
+    shifted = _draft(tmp_path / "a", [2, 16, 29], [1, 15, 28])
+    with pytest.raises(ServerConfigError, match=r"layer ids \[2, 16, 29\] but records .* layers \[1, 15, 28\]"):
+        check_draft_layer_ids("reference", shifted, str(target), sys.executable)
+    outside = _draft(tmp_path / "b", [1, 15, 40], [1, 15, 40])
+    with pytest.raises(ServerConfigError, match=r"\[40\] out of range for a target with 32 layers") as err:
+        check_draft_layer_ids("reference", outside, str(target), sys.executable)
+    assert err.value.retryable is False

@@ -308,6 +308,17 @@ def reap_stale(log_dir: str | os.PathLike | None, port: int) -> list[str]:
     return notes
 
 
+def _not_a_drafter(path: Path) -> str | None:
+    """Why `path` cannot be a drafter directory (config.json and safetensors weights), or None."""
+    if not path.is_dir():
+        return f"draft path is not a directory: {path}"
+    if not (path / "config.json").is_file():
+        return f"draft path {path} is not a drafter: it has no config.json"
+    if not any(path.glob("*.safetensors")):
+        return f"draft path {path} is not a drafter: it has no *.safetensors weights"
+    return None
+
+
 def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_disk_gb: float = 1.0,
               check_gpus: bool | None = None) -> list[str]:
     """Checks that fail in seconds instead of after a 20-minute start. Raises ONE
@@ -321,6 +332,10 @@ def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_
     for what, path in (("model path", spec.model_path), ("draft path", spec.draft_path)):
         if path and _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
             problems.append(f"{what} does not exist: {path}")
+    local_draft = spec.draft_path and _looks_local(spec.draft_path) and os.path.exists(os.path.expanduser(spec.draft_path))
+    if local_draft and spec.engine != "command":  # a user's own server may take another draft format
+        if (problem := _not_a_drafter(Path(spec.draft_path).expanduser())) is not None:
+            problems.append(problem)
 
     exe = spec.argv[0] if spec.argv else ""
     if not exe or shutil.which(exe, path=spec.env.get("PATH")) is None:

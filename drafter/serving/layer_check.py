@@ -63,6 +63,8 @@ def check_draft_layer_ids(engine: str, draft_path: str | None, target_path: str,
     """What was checked, for the serve report: {engine_version, version_source, aux_layer_ids, ids,
     rule} (or {"checked": False, "why": ...}). Raises ServerConfigError when the draft's ids are not
     the ones this engine version needs, or when no rule is known for the combination."""
+    if engine == "reference" and draft_path is not None:
+        return _check_reference(draft_path, target_path)
     if engine not in _ENGINE_PACKAGES or draft_path is None:
         return {"checked": False, "why": f"engine {engine!r} reads our ids as they are" if draft_path else "no drafter"}
     version = installed_version(engine, python)
@@ -94,3 +96,31 @@ def check_draft_layer_ids(engine: str, draft_path: str | None, target_path: str,
             f"layers {list(ours)} the drafter was trained on ({mapped.rule}); {draft_path} has {written}: it would "
             f"be served on the wrong layers. Re-export with export.{engine}_version: {version}", engine=engine)
     return {**base, "checked": True, "aux_layer_ids": list(ours), "ids": written, "rule": mapped.rule}
+
+
+def _check_reference(draft_path: str, target_path: str) -> dict[str, Any]:
+    """Our reference engine reads draft-config ids in our convention (output of layer i): they must be
+    the ids the export records it was trained on, and inside the target."""
+    from drafter.layers import aux_layer_id_problem
+
+    try:
+        config = json.loads((Path(draft_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {"checked": False, "why": f"{draft_path}/config.json unreadable (preflight reports it)"}
+    ours, written = (config.get(PROVENANCE_KEY) or {}).get("aux_layer_ids"), _draft_ids(config)
+    base = {"engine": "reference", "engine_version": "ours", "version_source": "this project"}
+    if written is None:
+        return {**base, "checked": False, "why": "the draft config names no aux layer ids (the target's default applies)"}
+    if ours is not None and [int(i) for i in ours] != written:
+        raise ServerConfigError(
+            f"reference: {draft_path} has draft-config layer ids {written} but records it was trained on the "
+            f"outputs of layers {list(ours)}; the reference engine reads the ids as our own, so it would serve "
+            "the wrong layers. Serve this export with the engine it was written for, or re-export", engine="reference")
+    try:
+        layers = json.loads((Path(target_path) / "config.json").read_text()).get("num_hidden_layers")
+    except (OSError, ValueError):
+        layers = None
+    if layers is not None and (problem := aux_layer_id_problem(written, int(layers))) is not None:
+        raise ServerConfigError(f"reference: {draft_path} layer ids {problem}", engine="reference")
+    return {**base, "checked": True, "aux_layer_ids": list(ours if ours is not None else written), "ids": written,
+            "rule": "the reference engine reads ids in our convention: written unchanged"}

@@ -1,0 +1,56 @@
+"""The CLI's one error boundary as a user meets it: the installed `drafter` script, a real process.
+Usage errors are a usage line and exit 2, never a traceback (typer >= 0.29 raises its vendored
+click's exceptions, which the boundary must catch too)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DRAFTER = str(Path(sys.executable).with_name("drafter"))
+
+
+def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([DRAFTER, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["train"], "Missing option '--config'"),
+    (["train", "--config", "x.yaml", "--bogus"], "No such option: --bogus"),
+    (["train", "--config", "x.yaml", "--nproc-per-node", "abc"], "Invalid value for '--nproc-per-node'"),
+    (["nosuchcommand"], "No such command 'nosuchcommand'"),
+    (["storage-estimate", "--tokens", "1e6", "--hidden", "64", "--dtype", "int3"], "'int3' is not one of"),
+    (["storage-estimate", "--tokens", "-5", "--hidden", "64"], "a corpus has at least 1 token"),
+    (["storage-estimate", "--tokens", "1e6", "--hidden", "0"], "a hidden size is at least 1"),
+    (["verify", "file://"], "an output URI is ROOT/STAGE/FINGERPRINT"),
+    (["verify", "file:///tmp/store/notastage/ab12"], "an output URI is ROOT/STAGE/FINGERPRINT"),
+])
+def test_usage_errors_are_a_usage_line_and_exit_2(args, says):
+    out = _run(*args)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) <= 6, out.stderr
+    assert "Usage: drafter" in out.stderr and says in out.stderr, out.stderr
+
+
+def test_export_out_is_checked_before_the_stage_runs(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    onto_file = _run("export", "--config", "profiles/demo.yaml", "--out", "README.md", cwd=repo)
+    assert onto_file.returncode == 2 and "README.md exists and is not a folder" in onto_file.stderr
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        unwritable = _run("export", "--config", "profiles/demo.yaml", "--out", str(locked / "x"), cwd=repo)
+    finally:
+        locked.chmod(0o700)
+    if unwritable.returncode != 2:  # root writes anywhere: fall back to a path under a file
+        unwritable = _run("export", "--config", "profiles/demo.yaml", "--out", "README.md/x", cwd=repo)
+    assert unwritable.returncode == 2 and "cannot write into" in unwritable.stderr, unwritable.stderr
+    assert "Traceback" not in unwritable.stderr
+
+
+def test_storage_estimate_still_answers():
+    out = _run("storage-estimate", "--tokens", "87.8e6", "--hidden", "7168")
+    assert out.returncode == 0 and "87.8M tokens at hidden 7168" in out.stdout, out
