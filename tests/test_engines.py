@@ -213,6 +213,77 @@ def test_sglang_ready_fatal_and_noise_lines():
     assert not engine.classify("[2025-05-02 16:14:33] Capture cuda graph bs [1, 2, 4, 8]")[3]
 
 
+# The end of SGLang 0.5.23's log for an EAGLE-3 launch on a CPU without AMX (tests/test_sglang_server.py
+# makes it for real), and for a scheduler SIGKILLed during start-up.
+SGLANG_EAGLE_ON_CPU_LOG = [
+    "[2026-12-02 00:05:10] The current platform does not support Intel AMX, will fallback to torch_native backend.",
+    "[2026-12-02 00:05:30] Memory pool end. avail mem=21.30 GB",
+    "[2026-12-02 00:05:31] Scheduler hit an exception: Traceback (most recent call last):",
+    '  File "/venv/lib/python3.11/site-packages/sglang/srt/speculative/draft_utils.py", line 64, in _create_backend',
+    "    raise ValueError(error_template.format(backend_type=backend_type))",
+    "ValueError: EAGLE is not supported in decode attention backend torch_native",
+    "[2026-12-02 00:05:31] Received sigquit from a child process. It usually means the child failed.",
+    "[2026-12-02 00:05:31] kill_process_tree called: parent_pid=4062, include_parent=True, pid=4062",
+]
+SGLANG_SCHEDULER_KILLED_LOG = [
+    "[2026-12-02 00:06:20] Load weight begin. avail mem=21.24 GB",
+    "RuntimeError: Rank 0 scheduler died during initialization (exit code: -9). If exit code is -9 (SIGKILL), "
+    "a common cause is the OS OOM killer. Run `dmesg -T | grep -i oom` to check.",
+]
+
+
+def test_a_line_saying_the_host_cannot_run_the_configuration_is_a_config_error_not_a_crash():
+    engine = make_engine("sglang")
+    why = engine.config_error(SGLANG_EAGLE_ON_CPU_LOG)
+    assert why is not None and "attention backend torch_native has no EAGLE support" in why
+    assert "intel_amx" in why and "AMX" in why  # names the CPU backend that is missing here
+    # draft extend's wording ("in attention backend X") and ANSI colour codes are recognised too
+    assert "backend torch_native" in engine.config_error(
+        ["\x1b[31mValueError: EAGLE is not supported in attention backend torch_native\x1b[0m"])
+    assert engine.config_error(SGLANG_SCHEDULER_KILLED_LOG) is None  # a crash: a retry may work
+    assert engine.classify(SGLANG_SCHEDULER_KILLED_LOG[1])[2]  # ... and a fatal line
+    assert make_engine("vllm").config_error(SGLANG_EAGLE_ON_CPU_LOG) is None  # per engine
+
+
+class _DeadServer:
+    """What the gate reads of a server process that already exited with `log`."""
+
+    def __init__(self, log: list[str], fatal: int | None, exit_code: int = -9):
+        self.log, self.exit_code, self.phase, self.started_at = log, exit_code, "kv_cache", 0.0
+        self.fatal_line = log[fatal] if fatal is not None else None
+
+    def poll(self):
+        return self.exit_code
+
+    def wait_output(self, timeout=2.0):
+        return True
+
+    def log_tail(self, n=40):
+        return self.log[-n:]
+
+    def log_text(self):
+        return "\n".join(self.log) + "\n"
+
+
+def test_the_gate_raises_a_config_error_for_eagle_on_a_cpu_and_a_crash_otherwise():
+    from types import SimpleNamespace
+
+    from drafter.serving.gate import start_failure, wait_until_ready
+
+    engine, spec = make_engine("sglang"), SimpleNamespace(base_url="http://127.0.0.1:9")
+    with pytest.raises(ServerConfigError) as err:
+        wait_until_ready(_DeadServer(SGLANG_EAGLE_ON_CPU_LOG, fatal=2), engine, spec, 60, 60)
+    assert not is_retryable(err.value) and err.value.status == "config_error"
+    assert "torch_native has no EAGLE support" in err.value.message and "intel_amx" in err.value.message
+    assert "exited with code -9" in err.value.message  # what the gate saw is kept
+    assert (err.value.exit_code, err.value.phase, err.value.log_tail) == (-9, "kv_cache", SGLANG_EAGLE_ON_CPU_LOG)
+    crashed = start_failure(_DeadServer(SGLANG_SCHEDULER_KILLED_LOG, fatal=1), engine, "sglang exited")
+    assert type(crashed) is ServerCrashed and is_retryable(crashed) and crashed.exit_code == -9
+    # the pickled error (a Prefect result) keeps its type and fields
+    back = pickle.loads(pickle.dumps(err.value))
+    assert type(back) is ServerConfigError and back.exit_code == -9 and back.log_tail == SGLANG_EAGLE_ON_CPU_LOG
+
+
 VLLM_LINES = [
     ("(EngineCore_DP0 pid=212) INFO 10-06 12:00:20 [gpu_model_runner.py:2338] Starting to load model "
      "meta-llama/Llama-3.1-8B-Instruct...", "load_weights"),

@@ -2,8 +2,9 @@
 
 An `Engine` knows four things about a server program: how to launch it from a validated
 `LifecycleConfig` (`build_launch`), what its start-up log looks like (`phases`, `ready_patterns`,
-`fatal_patterns`, used by the stall watchdog), how to ask a running server which speculative
-settings it ACTUALLY uses (`read_settings`; field note 3: a flag can be quietly rewritten), and
+`fatal_patterns`, used by the stall watchdog, and `config_error_patterns`: the lines that mean
+"this configuration cannot run on this host", a failed start that no retry will fix), how to ask a
+running server which speculative settings it ACTUALLY uses (`read_settings`; field note 3: a flag can be quietly rewritten), and
 how to read its acceptance counters (`metrics_snapshot` / `accept_length`).
 
 Engines: `sglang`, `vllm` (production), `reference` (our own server, SGLang-compatible endpoints
@@ -77,6 +78,15 @@ def _rx(*alternatives: str, flags: int = 0) -> re.Pattern:
     return re.compile("|".join(f"(?:{a})" for a in alternatives), flags)
 
 
+class ConfigErrorLine(NamedTuple):
+    """A log line saying the configuration cannot run on this host (an unsupported backend, a missing
+    kernel): the start fails for good, so the gate raises ServerConfigError (not retryable) instead of
+    ServerCrashed. `explain` is `str.format`ted with the match's named groups and `line` (the line)."""
+
+    pattern: re.Pattern
+    explain: str
+
+
 @dataclass
 class LaunchSpec:
     """Everything needed to start one server, and to save with the run (field note 2)."""
@@ -118,6 +128,7 @@ class Engine:
     phases: tuple[Phase, ...] = (Phase("launch", None),)
     ready_patterns: tuple[re.Pattern, ...] = ()
     fatal_patterns: tuple[re.Pattern, ...] = ()
+    config_error_patterns: tuple[ConfigErrorLine, ...] = ()
     noise_patterns: tuple[re.Pattern, ...] = (_PROBE_ACCESS,)
 
     # ---- launching -------------------------------------------------------------------------
@@ -137,6 +148,18 @@ class Engine:
         ready = any(p.search(clean) for p in self.ready_patterns)
         fatal = any(p.search(clean) for p in self.fatal_patterns)
         return phase, ready, fatal, noise
+
+    def config_error(self, lines: Iterable[str]) -> str | None:
+        """Why this configuration cannot run on this host, from the first of `lines` (a failed start's
+        log) matching `config_error_patterns`; None when none does (then the failure is a crash)."""
+        for line in lines:
+            clean = _ANSI.sub("", line).strip()
+            for known in self.config_error_patterns:
+                m = known.pattern.search(clean)
+                if m:
+                    groups = {k: v for k, v in m.groupdict().items() if v is not None}
+                    return known.explain.format(**{"line": clean, **groups})
+        return None
 
     def phase_default(self, name: str) -> float | None:
         for ph in self.phases:
@@ -248,6 +271,25 @@ SGLANG_FATAL = (
     re.compile(r"Initialization failed"),
     re.compile(r"Received sigquit from a child process"),
     re.compile(r"Subprocess \S+ \(pid=\d+\) crashed"),
+    # the launcher, when a scheduler dies before it reported ready (entrypoints/engine.py, 0.5.23):
+    # "RuntimeError: Rank 0 scheduler died during initialization (exit code: -9). ..."
+    re.compile(r"scheduler died during initialization"),
+)
+# Lines after which the same configuration can never start on this host (checked before a fatal
+# line or an exit is taken for a crash). srt/speculative/draft_utils.py (0.5.23) raises
+# "EAGLE is not supported in decode attention backend {b}" (draft decode) and "... in attention
+# backend {b}" (draft extend) for a backend without EAGLE kernels. On a CPU without AMX, SGLang picks
+# torch_native ("The current platform does not support Intel AMX, will fallback to torch_native
+# backend."); its only CPU EAGLE backend is intel_amx (an AMX CPU plus sgl-kernel's CPU build).
+SGLANG_CONFIG_ERRORS = (
+    ConfigErrorLine(
+        re.compile(r"EAGLE is not supported in (?:(?P<kind>decode|prefill|draft extend) )?attention backend "
+                   r"(?P<backend>[\w.-]+)"),
+        "sglang cannot run EAGLE speculation with this configuration on this host: its attention backend "
+        "{backend} has no EAGLE support ({line!r}). On a CPU, SGLang's only EAGLE attention backend is intel_amx, "
+        "which needs an Intel CPU with AMX and sgl-kernel's CPU build (without AMX SGLang falls back to "
+        "torch_native); serve the drafter on a GPU, or pick an attention backend with EAGLE support "
+        "(--attention-backend / --speculative-draft-attention-backend in serve.extra_args)"),
 )
 
 # server_args field -> our normalized name
@@ -313,6 +355,7 @@ class SGLangEngine(Engine):
     phases = SGLANG_PHASES
     ready_patterns = SGLANG_READY
     fatal_patterns = SGLANG_FATAL
+    config_error_patterns = SGLANG_CONFIG_ERRORS
 
     def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=()):
         _no_faults(self.name, faults)

@@ -85,7 +85,10 @@ class HealthCheckTimeout(ServerStartError):
 
 
 class ServerConfigError(ServerStartError):
-    """Bad settings, port taken, missing model path, busy GPUs... Retrying cannot help."""
+    """Bad settings, port taken, missing model path, busy GPUs, or a configuration this host cannot run
+    (the engine's log says so, e.g. no attention backend with EAGLE support on this CPU: the gate,
+    `Engine.config_error_patterns`). Retrying cannot help. A start that failed this way carries the
+    crash's fields too (`exit_code`, `log_tail`)."""
 
     status = "config_error"
 

@@ -3,8 +3,11 @@
 Ready means a REAL 1-token generation succeeded, on top of /health answering 200 and the
 model being listed (field note 1: a server with loaded weights, full GPU memory and an open
 port can still be stuck for hours). While waiting, the gate watches the process: an exit or a
-fatal log line is a crash, no log progress within the current phase's budget is a stall, and
-the overall deadline gives a health-check timeout naming the check that still fails.
+fatal log line is a crash (retryable), unless the log says the configuration cannot run on this
+host (the engine's `config_error_patterns`, e.g. SGLang's "EAGLE is not supported in decode
+attention backend torch_native" on a CPU): that is a ServerConfigError, which no retry fixes.
+No log progress within the current phase's budget is a stall, and the overall deadline gives a
+health-check timeout naming the check that still fails.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Any, Mapping
 import httpx
 
 from drafter.serving.engines import Engine, LaunchSpec
-from drafter.serving.errors import HealthCheckTimeout, ServerCrashed, ServerStalled
+from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.launcher import ServerProcess
 
 CHECKS = ("health", "model listing", "generation")
@@ -109,15 +112,21 @@ def make_client(spec: LaunchSpec, timeout_s: float = 3.0) -> httpx.Client:
                         trust_env=False)
 
 
-def _crash(server: ServerProcess, engine: Engine, message: str) -> ServerCrashed:
+def start_failure(server: ServerProcess, engine: Engine, message: str) -> ServerCrashed | ServerConfigError:
+    """The error for a server that exited or logged a fatal line before it was ready: a
+    ServerConfigError when its log says this configuration cannot run on this host
+    (`engine.config_error`), else a ServerCrashed."""
     # Collect the rest of the traceback: until EOF, or until the log goes quiet (a live
     # process after a fatal line, or orphaned children still holding the pipe).
     if server.poll() is None:
         time.sleep(0.2)
     server.wait_output(2.0)
-    return ServerCrashed(message, engine=engine.name, phase=server.phase, exit_code=server.poll(),
-                         seconds=round(time.monotonic() - server.started_at, 3),
-                         log_tail=server.log_tail(40))
+    fields = dict(engine=engine.name, phase=server.phase, exit_code=server.poll(),
+                  seconds=round(time.monotonic() - server.started_at, 3), log_tail=server.log_tail(40))
+    why = engine.config_error(server.log_text().splitlines()) if engine.config_error_patterns else None
+    if why is not None:
+        return ServerConfigError(f"{why} [{message}]", **fields)
+    return ServerCrashed(message, **fields)
 
 
 def wait_until_ready(server: ServerProcess, engine: Engine, spec: LaunchSpec, startup_timeout_s: float,
@@ -132,10 +141,10 @@ def wait_until_ready(server: ServerProcess, engine: Engine, spec: LaunchSpec, st
         while True:
             code = server.poll()
             if code is not None:
-                raise _crash(server, engine, f"{engine.name} exited with code {code} during {server.phase}")
+                raise start_failure(server, engine, f"{engine.name} exited with code {code} during {server.phase}")
             if server.fatal_line is not None:
-                raise _crash(server, engine, f"{engine.name} logged a fatal error during "
-                                             f"{server.phase}: {server.fatal_line.strip()}")
+                raise start_failure(server, engine, f"{engine.name} logged a fatal error during "
+                                                    f"{server.phase}: {server.fatal_line.strip()}")
             now = time.monotonic()
             phase, quiet = server.phase, server.seconds_since_progress()
             budget = phase_budget(engine, phase, stall_timeout_s, phase_budgets)
