@@ -29,15 +29,24 @@ from typing import Any, Sequence
 import httpx
 
 from drafter.errors import DrafterError
+from drafter.openai_client import RETRY_STATUS
 from drafter.serving.engines import Engine, counters_delta, vllm_accept_length
 
 Prompt = str | list[int]
 
 
 class MeasurementError(DrafterError):
-    """A request of a measurement failed (server died, timed out, answered an error)."""
+    """A request of a measurement failed (server died, timed out, answered an error). `status`: the
+    HTTP status of an answered request. Retryable unless the server refused the request itself (a
+    4xx other than 408 / 429, the datagen client's rule): the same request would be refused again."""
 
-    retryable = True
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.retryable = status is None or status in RETRY_STATUS or status >= 500
+
+    def __reduce__(self):
+        return (MeasurementError, (str(self), self.status))
 
 
 @dataclass(frozen=True)
@@ -105,7 +114,8 @@ def one_request(client: httpx.Client, api: ClientApi, prompt: Prompt, max_tokens
             with client.stream("POST", path, json=body) as resp:
                 if resp.status_code != 200:
                     resp.read()
-                    raise MeasurementError(f"POST {path}: HTTP {resp.status_code}: {resp.text[:300]}")
+                    raise MeasurementError(f"POST {path}: HTTP {resp.status_code}: {resp.text[:300]}",
+                                           resp.status_code)
                 seen = 0
                 for at, event in _sse_events(resp):
                     if api.style == "sglang":
@@ -128,7 +138,7 @@ def one_request(client: httpx.Client, api: ClientApi, prompt: Prompt, max_tokens
         else:
             resp = client.post(path, json=body)
             if resp.status_code != 200:
-                raise MeasurementError(f"POST {path}: HTTP {resp.status_code}: {resp.text[:300]}")
+                raise MeasurementError(f"POST {path}: HTTP {resp.status_code}: {resp.text[:300]}", resp.status_code)
             answer = resp.json()
             if api.style == "sglang":
                 meta = (answer[0] if isinstance(answer, list) else answer).get("meta_info") or {}

@@ -134,7 +134,7 @@ def markdown(summary: dict, rows: Sequence[dict], *, plan: dict, failures: dict[
         parts += ["", "## Skipped and failed configurations", ""]
         parts += [f"- skipped {s['config']}: {s['reason']}" for s in plan["skipped"]]
         parts += [f"- failed {f['config']}: {f['kind']}: {f['message'].splitlines()[0] if f['message'] else ''}"
-                  for f in failures.values()]
+                  + (f" ({f['fix']})" if f.get("fix") else "") for f in failures.values()]
     parts += ["", "## What ran", ""]
     for launch in launches:
         s = launch.get("settings") or {}

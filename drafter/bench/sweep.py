@@ -5,12 +5,15 @@ Store layout inside the bench stage's output (one small JSON shard each):
     m/<server key>/bs<B>/r<round>.json   one measurement (drafter.bench.measure.measure + identity)
     launches/<server key>-<n>.json       what a launch ran: settings read back, engine version,
                                          saved launch environment, log, seconds to ready
-    failed/<server key>.json             a configuration that failed to start or died measuring:
-                                         its failure kind (crashed / stalled / health_timeout /
-                                         config_error / measurement_failed) and message
+    failed/<server key>.json             a configuration that failed to start or to measure: its
+                                         failure kind (FIXES), whether a retry may fix it, what to
+                                         change, the message and evidence (log path, HTTP answer)
 
 Resume: a measurement whose shard is committed is never repeated, a server with nothing left to
-measure is never launched, a recorded failure stands (the sweep goes on without it). Interleaving
+measure is never launched. A recorded failure stands for the rest of the run that recorded it
+(the sweep goes on without it); the next run re-checks it (launches and measures it again), so a
+cause that went away or was fixed is never repeated from the record; the record is dropped once
+the configuration measures again, and replaced (attempts counted) if it fails again. Interleaving
 (see drafter.bench.plan): `concurrent` keeps every server alive and visits them round-robin, one
 measured at a time; `relaunch` starts one server per (configuration, round) in the same order.
 """
@@ -33,7 +36,8 @@ import httpx
 from drafter.bench.measure import ClientApi, MeasurementError, Prompt, measure
 from drafter.bench.plan import FLUSH_CACHE, SGLANG_API, STREAMING, ServerPlan, SweepPlan, server_config
 from drafter.config import LifecycleConfig
-from drafter.serving.errors import ServerStartError
+from drafter.serving.errors import ServerConfigError, ServerStartError
+from drafter.serving.launcher import port_free
 from drafter.serving.session import ServedServer, ServerSession
 from drafter.stage_output import Progress, StageOutput, guarded_progress
 
@@ -50,6 +54,51 @@ def failure_name(key: str) -> str:
 
 def launch_name(key: str, n: int) -> str:
     return f"launches/{key}-{n:03d}.json"
+
+
+# Failure kinds: whether the same attempt can succeed later unchanged, and what a person does.
+# Either way the next run re-checks the failure instead of repeating its record.
+FIXES: dict[str, tuple[bool, str]] = {
+    "port_taken": (True, "free the port (the message names its holder) or set serve.port to another base port; "
+                         "the next run retries it"),
+    "crashed": (True, "a retry may fix it (the next run launches it again); if it keeps crashing, read the server log"),
+    "stalled": (True, "a retry may fix it (the next run launches it again); if it keeps stalling, read the server "
+                      "log and raise serve.stall_timeout_s only if the phase is just slow"),
+    "health_timeout": (True, "a retry may fix it (the next run launches it again); if it keeps timing out, read the "
+                             "server log and raise serve.startup_timeout_s only if the start is just slow"),
+    "config_error": (False, "change what the message names (serve settings, paths, GPUs in use); the next run "
+                            "launches it again to check"),
+    "crashed_while_measuring": (True, "the server died while measuring: the next run launches it again; if it "
+                                      "keeps dying, read the server log"),
+    "measurement_failed": (True, "a request failed (timeout, connection, server error): the next run measures it "
+                                 "again; bench.request_timeout_s is the per-request limit"),
+    "request_refused": (False, "the server refused the request: change what its answer names (bench.max_tokens, "
+                               "the prompts: bench.num_prompts or the prepared eval split, the serve settings); "
+                               "the next run measures it again to check"),
+    "error": (False, "read the message and the server log; the next run launches it again to check"),
+    "bad_answer": (False, "the server answered what the bench cannot read: check that serve.engine is the engine "
+                          "that runs; the next run measures it again to check"),
+}
+
+
+def start_failure_kind(err: ServerStartError, host: str, port: int) -> str:
+    """The failure kind of a start. A preflight whose only problem is a port still held by another
+    process is `port_taken`: the holder's doing, not the configuration's, so a later run can pass."""
+    problems = getattr(err, "problems", None) or []
+    if isinstance(err, ServerConfigError) and err.phase == "preflight" and len(problems) == 1 \
+            and not port_free(host, port):
+        return "port_taken"
+    return err.status
+
+
+def measure_failure_kind(err: Exception, server_dead: bool) -> str:
+    if server_dead:
+        return "crashed_while_measuring"
+    if isinstance(err, MeasurementError) and not err.retryable:
+        return "request_refused"
+    if isinstance(err, ValueError):  # an answer that is not the JSON the API promises
+        return "bad_answer"
+    return "measurement_failed"
 
 
 def _dumps(obj: Any) -> str:
@@ -116,6 +165,7 @@ def _engine_version(cfg: LifecycleConfig, served: ServedServer) -> str | None:
 class SweepOutcome:
     measurements: list[dict] = field(default_factory=list)
     failures: dict[str, dict] = field(default_factory=dict)
+    cleared: dict[str, dict] = field(default_factory=dict)  # earlier runs' failures measured past now
     launches: list[dict] = field(default_factory=list)
     measured_now: int = 0
     launched_now: int = 0
@@ -134,10 +184,14 @@ class Sweep:
         self.session_options = dict(session_options or {})
         done = out.completed_shards()
         self.done = set(done)
-        self.failures: dict[str, dict] = {}
+        self.failures: dict[str, dict] = {}  # this run's: they stand until the run ends
+        self.earlier: dict[str, dict] = {}   # earlier runs': re-checked by this one
         for name in done:
             if name.startswith("failed/"):
-                self.failures[name[len("failed/"):-len(".json")]] = json.loads(out.read_shard(name))
+                record = json.loads(out.read_shard(name))
+                retryable, fix = FIXES.get(record.get("kind"), FIXES["error"])  # records older than FIXES
+                self.earlier[name[len("failed/"):-len(".json")]] = {"retryable": retryable, "fix": fix, **record}
+        self.cleared: dict[str, dict] = {}   # earlier failures this run measured past
         self.launch_counts: dict[str, int] = {}
         for name in done:
             if name.startswith("launches/"):
@@ -166,9 +220,13 @@ class Sweep:
         return self.cfg.serve.port
 
     def _record_failure(self, server: ServerPlan, kind: str, message: str, detail: dict | None = None) -> None:
-        record = {"key": server.key, "config": server.label, "kind": kind, "message": message,
-                  "detail": detail or {}, "at": time.time()}
-        log.warning("bench: %s failed (%s): %s", server.label, kind, message.splitlines()[0] if message else "")
+        retryable, fix = FIXES.get(kind, FIXES["error"])
+        earlier = self.earlier.pop(server.key, None)
+        record = {"key": server.key, "config": server.label, "kind": kind, "retryable": retryable, "fix": fix,
+                  "message": message, "detail": detail or {}, "at": time.time(),
+                  "attempts": earlier.get("attempts", 1) + 1 if earlier else 1}
+        log.warning("bench: %s failed (%s): %s; %s", server.label, kind,
+                    message.splitlines()[0] if message else "", fix)
         self.out.write_shard(failure_name(server.key), _dumps(record), meta={"key": server.key, "kind": kind})
         self.done.add(failure_name(server.key))
         self.failures[server.key] = record
@@ -187,7 +245,8 @@ class Sweep:
         except ServerStartError as err:
             detail = err.to_dict()
             detail["log_path"] = str(session.log_path)
-            self._record_failure(server, err.status, err.message, detail)
+            kind = start_failure_kind(err, cfg.serve.host, cfg.serve.port)
+            self._record_failure(server, kind, err.message, detail)
             return None
         n = self.launch_counts.get(server.key, 0)
         self.launch_counts[server.key] = n + 1
@@ -222,10 +281,18 @@ class Sweep:
                              timeout_s=b.request_timeout_s)
         except (MeasurementError, httpx.HTTPError, ValueError) as err:
             dead = served.process is not None and served.process.poll() is not None
-            kind = "crashed_while_measuring" if dead else "measurement_failed"
-            self._record_failure(server, kind, str(err), {"round": round_index, "batch_size": batch_size,
-                                                          "log_path": str(served.log_path)})
+            self._record_failure(server, measure_failure_kind(err, dead), str(err),
+                                 {"round": round_index, "batch_size": batch_size, "log_path": str(served.log_path),
+                                  "http_status": getattr(err, "status", None)})
             return False
+        if server.key in self.earlier:
+            # measured where an earlier run failed: its record goes first (a kill in between
+            # only means this measurement is taken again)
+            self.out.drop_shard(failure_name(server.key))
+            self.done.discard(failure_name(server.key))
+            self.cleared[server.key] = self.earlier.pop(server.key)
+            log.info("bench: %s measured; its earlier failure (%s) is cleared", server.label,
+                     self.cleared[server.key]["kind"])
         record = {"key": server.key, "config": server.label, "baseline": server.is_baseline,
                   "drafter": server.drafter or None,
                   "round": round_index, "launch": launch, **result}
@@ -283,10 +350,11 @@ class Sweep:
 
     # ---- reading back
     def outcome(self) -> SweepOutcome:
-        """Every committed measurement, failure and launch (this run's and earlier runs')."""
+        """Every committed measurement and launch (this run's and earlier runs'), the failures that
+        stand (this run's; an earlier one only if this run never got to re-check it)."""
         shards = self.out.completed_shards()
-        out = SweepOutcome(failures=dict(self.failures), measured_now=self.measured_now,
-                           launched_now=self.launched_now)
+        out = SweepOutcome(failures={**self.earlier, **self.failures}, cleared=dict(self.cleared),
+                           measured_now=self.measured_now, launched_now=self.launched_now)
         for name in shards:
             if name.startswith("m/"):
                 out.measurements.append(json.loads(self.out.read_shard(name)))

@@ -2,9 +2,11 @@
 in interleaved rounds on servers started through ServerSession, reported with intervals.
 
 Upstream: `prepare` (the held-out eval split: the first `bench.num_prompts` conversations' first
-user turn, through the target's chat template when it has one) and `export` (its SGLang-format
-drafter, shards `sglang/config.json` + `sglang/model.safetensors`, downloaded into a directory
-named after the export fingerprint) unless `serve.draft_path` names a drafter directory.
+user turn, through the target's chat template when it has one, less those that leave no room for
+`bench.max_tokens` in the target's context: counted in the report, refused when none is left)
+and `export` (its SGLang-format drafter, shards `sglang/config.json` + `sglang/model.safetensors`,
+downloaded into a directory named after the export fingerprint) unless `serve.draft_path` names a
+drafter directory.
 
 With `retrain.bench` the sweep is a head-to-head: every setting is served twice, with this run's
 export (the challenger) and with the registry's champion it faces (Registry.opponent), and the
@@ -21,14 +23,16 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from drafter.bench import BenchError
 from drafter.bench.plan import BASELINE, SweepPlan, plan_sweep
 from drafter.bench.report import head_to_head_rows, markdown, plot_png, table_rows
 from drafter.bench.stats import head_to_head, summarize
-from drafter.bench.sweep import Sweep, hardware
+from drafter.bench.sweep import FIXES, Sweep, failure_name, hardware
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.formats import EXPORT, PREPARE, load_prepared
 from drafter.registry import CHAMPION, Registry
@@ -98,26 +102,63 @@ def drafter_paths(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[st
     return {"": serve_stage.draft_path(cfg, store, upstream)}
 
 
-def build_prompts(cfg: LifecycleConfig, conversations: list[dict]) -> tuple[list, str]:
-    """(prompts, format): token ids through the target's chat template when it has one (what a
-    chat request sends), else the first user turn's text."""
+def target_context(cfg: LifecycleConfig) -> int | None:
+    """The target's context length: `max_position_embeddings` of its config.json (the text model's);
+    None when there is no config.json here or it does not say."""
+    if not (Path(cfg.target.path) / "config.json").is_file():
+        return None
+    from drafter.model import read_target_config
+
+    return read_target_config(cfg.target.path).get("max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class BenchPrompts:
+    prompts: list
+    format: str
+    dropped: int = 0              # too long for the target's context with bench.max_tokens new tokens
+    context: int | None = None    # the target's context length; None: not checked
+
+
+def _tokenizer(cfg: LifecycleConfig):
+    path = Path(cfg.target.path)
+    if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code)
+    return None
+
+
+def build_prompts(cfg: LifecycleConfig, conversations: list[dict]) -> BenchPrompts:
+    """Token ids through the target's chat template when it has one (what a chat request sends),
+    without the prompts that leave no room for `bench.max_tokens` new tokens in the target's context
+    (every configuration would fail on them); the rule and the rendering are the export judge's
+    (`prompts_from_conversations`). Else the first user turn's text, unchecked (the server
+    tokenizes it)."""
+    tok = _tokenizer(cfg)
+    if tok is not None and tok.chat_template:
+        from drafter.export.judge import prompts_from_conversations
+
+        context = target_context(cfg)
+        room = context - cfg.bench.max_tokens if context is not None else sys.maxsize
+        prompts, skipped = prompts_from_conversations(tok, conversations, len(conversations), room)
+        if not prompts and skipped["too_long"]:
+            every, _ = prompts_from_conversations(tok, conversations, len(conversations), sys.maxsize)
+            shortest = min(len(p) for p in every)
+            raise BenchError(
+                f"no held-out prompt fits the target's context: all {skipped['too_long']} need more than "
+                f"max_position_embeddings {context} ({cfg.target.path}/config.json) with bench.max_tokens "
+                f"{cfg.bench.max_tokens} new tokens (the shortest has {shortest} tokens); set bench.max_tokens "
+                f"to at most {context - shortest}, or bench on prompts that fit")
+        return BenchPrompts(prompts, "chat template token ids", skipped["too_long"], context)
     firsts = []
     for conv in conversations:
         msgs = conv["messages"]
         upto = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
         if upto is not None:
             firsts.append(msgs[:upto + 1])
-    tok = None
-    path = Path(cfg.target.path)
-    if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code)
-    if tok is not None and tok.chat_template:
-        ids = [tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False).input_ids for m in firsts]
-        return ids, "chat template token ids"
-    return [m[-1]["content"] for m in firsts], "first user turn, raw text (the target has no chat template)"
+    return BenchPrompts([m[-1]["content"] for m in firsts],
+                        "first user turn, raw text (the target has no chat template)")
 
 
 def _settings(cfg: LifecycleConfig) -> dict:
@@ -142,9 +183,13 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     if out.is_complete():
         return _result(out, json.loads(out.read_shard("report.json")), skipped=True)
     conversations = load_prepared(store, upstream[PREPARE], "eval")[:cfg.bench.num_prompts]
-    prompts, prompt_format = build_prompts(cfg, conversations)
+    built = build_prompts(cfg, conversations)
+    prompts = built.prompts
     if not prompts:
         raise BenchError(f"the prepared eval split {upstream[PREPARE]} has no conversation with a user turn")
+    if built.dropped:
+        log.warning("bench: %d of %d held-out prompts dropped: prompt tokens + bench.max_tokens %d exceed the "
+                    "target's context %d", built.dropped, len(conversations), cfg.bench.max_tokens, built.context)
     identity = _drafter_identity(cfg, upstream)
     drafters = drafter_paths(cfg, store, upstream, identity)
     plan: SweepPlan = plan_sweep(cfg, drafters)
@@ -156,12 +201,16 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     outcome = sweep.outcome()
     if BASELINE in outcome.failures:
         f = outcome.failures[BASELINE]
-        retryable = f["kind"] in ("crashed", "stalled", "health_timeout", "crashed_while_measuring",
-                                  "measurement_failed")
-        raise BenchError(f"the baseline server failed ({f['kind']}): {f['message'].splitlines()[0]}; "
-                         f"nothing can be compared. Finished measurements stay committed in {out.uri}; "
-                         f"after fixing it, delete {out.store.uri(out.key('failed/baseline.json'))} and re-run",
-                         retryable=retryable)
+        raise BenchError(f"the baseline server failed ({f['kind']}): {f['message'].splitlines()[0]}; nothing can be "
+                         f"compared: {f['fix']}. Finished measurements stay committed in {out.uri}; the failure "
+                         f"and its evidence: {out.store.uri(out.key(failure_name(BASELINE)))}",
+                         retryable=f["retryable"])
+    held = [f for f in outcome.failures.values() if f["kind"] == "port_taken"]
+    if held:
+        # another process's port says nothing about the configuration: no report without it
+        raise BenchError("port taken: " + "; ".join(f"{f['config']}: {f['message'].splitlines()[0]}" for f in held)
+                         + f"; {FIXES['port_taken'][1]}. Finished measurements stay committed in {out.uri}",
+                         retryable=True)
     servers = [(s.key, s.label) for s in plan.servers]
     b = cfg.bench
     summary = summarize(outcome.measurements, servers, plan.batch_sizes, confidence=b.confidence,
@@ -170,7 +219,11 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     versus = head_to_head(outcome.measurements, plan.head_to_head_pairs(), plan.batch_sizes, confidence=b.confidence,
                           samples=b.bootstrap_samples, seed=b.seed)
     hw = hardware()
-    notes = [f"prompts: {len(prompts)} ({prompt_format})"]
+    notes = [f"prompts: {len(prompts)} ({built.format})"
+             + (f"; {built.dropped} of the first {len(conversations)} dropped: prompt tokens + bench.max_tokens "
+                f"{b.max_tokens} > the target's context {built.context}" if built.dropped else "")]
+    notes += [f"{f['config']} failed in an earlier run ({f['kind']}): re-checked, measured in this one"
+              for f in outcome.cleared.values()]
     if cfg.serve.engine == "reference":
         notes.append("the reference engine does not stream: TTFT and inter-token latency are not measured")
     if cfg.serve.engine == "command":
@@ -181,7 +234,8 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     report = {"summary": summary, "table": rows, "plan": plan_d, "failures": outcome.failures,
               "launches": outcome.launches, "hardware": hw, "settings": _settings(cfg), "notes": notes,
               "drafters": identity, "drafter_paths": drafters, "head_to_head": versus,
-              "measurements": len(outcome.measurements)}
+              "measurements": len(outcome.measurements),
+              "prompts": {"used": len(prompts), "dropped_too_long": built.dropped, "context": built.context}}
     out.write_shard("report.json", json.dumps(report, indent=1, sort_keys=True, default=str))
     out.write_shard("report.md", md)
     out.write_shard("report.png", plot_png(summary, f"bench {out.fingerprint}"))
@@ -195,6 +249,6 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
             "verdicts": verdicts, "recommendation": {str(k): v for k, v in summary["recommendation"].items()},
             "drift_unstable": {str(k): d["unstable"] for k, d in summary["drift"].items()},
             "engine_versions": sorted({str(x.get("engine_version")) for x in outcome.launches}),
-            "hardware": hw, "prompts": len(prompts), "report": "report.md"}
+            "hardware": hw, "prompts": len(prompts), "prompts_dropped": built.dropped, "report": "report.md"}
     out.commit(meta=meta)
     return _result(out, report, skipped=False)
