@@ -414,19 +414,25 @@ def main() -> None:
     input, a missing upstream output, a corrupt shard, a server that would not start...) is one
     line on stderr and a documented exit code (drafter.errors), its traceback only with --debug;
     Ctrl-C / SIGTERM exit 130 / 143; anything else is a bug and keeps its traceback."""
-    from drafter.errors import EXIT_INTERRUPTED, DrafterError, describe, exit_code
+    import signal
+
+    from drafter.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, DrafterError, describe, exit_code
     from drafter.serving.session import Terminated
 
+    def terminate(signum, frame):  # SIGTERM's default skips `finally`: every command cleans up instead
+        raise Terminated(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, terminate)
     usage_errors, aborts = _click_exceptions()
     try:
         code = app(standalone_mode=False)
     except usage_errors as err:  # usage: bad option, missing argument, unknown command (exit 2)
         err.show()
         code = err.exit_code
-    except aborts as err:  # click's wrapper of KeyboardInterrupt
-        cause = err.__cause__ or err.__context__
-        typer.echo("interrupted", err=True)
-        code = cause.exit_code if isinstance(cause, Terminated) else EXIT_INTERRUPTED
+    except (*aborts, KeyboardInterrupt):  # click wraps KeyboardInterrupt (and Terminated) in Abort
+        code = EXIT_INTERRUPTED
+        if not Terminated.seen:
+            typer.echo("interrupted", err=True)
     except DrafterError as err:
         if _DEBUG:
             import traceback
@@ -434,6 +440,9 @@ def main() -> None:
             traceback.print_exc()
         typer.echo(describe(err), err=True)
         code = exit_code(err)
+    if Terminated.seen:  # however the command reported it (a stage or typer may have absorbed it)
+        typer.echo("terminated (SIGTERM)", err=True)
+        code = EXIT_TERMINATED
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -54,3 +54,29 @@ def test_export_out_is_checked_before_the_stage_runs(tmp_path):
 def test_storage_estimate_still_answers():
     out = _run("storage-estimate", "--tokens", "87.8e6", "--hidden", "7168")
     assert out.returncode == 0 and "87.8M tokens at hidden 7168" in out.stdout, out
+
+
+def test_sigterm_exits_143_and_saves_nothing(tmp_path):
+    """Any command, not only serve: the CLI turns SIGTERM into an interrupt (cleanup runs) and exit 143."""
+    import signal
+    import time
+
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    profile = yaml.safe_load((repo / "profiles" / "demo.yaml").read_text())
+    profile["target"]["path"] = str(tmp_path / "target")
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(profile))
+    log = (tmp_path / "err.txt").open("w")
+    proc = subprocess.Popen([DRAFTER, "demo-target", "--config", str(tmp_path / "p.yaml")], cwd=repo,
+                            stdout=subprocess.DEVNULL, stderr=log, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None \
+            and "demo target:" not in (tmp_path / "err.txt").read_text():
+        time.sleep(0.2)  # training has started once its progress bar shows
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    err = (tmp_path / "err.txt").read_text()
+    assert proc.returncode == 143, err[-2000:]
+    assert "terminated" in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "target" / "model.safetensors").exists()

@@ -47,9 +47,15 @@ def new_log_path(log_dir: str | os.PathLike, engine: str) -> Path:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (Prefect's cancellation, `kill`) turned into an interrupt; `exit_code` 143."""
+    """SIGTERM (Prefect's cancellation, `kill`) turned into an interrupt; `exit_code` 143.
+    `seen` stays true once one was raised: the CLI exits 143 whatever a stage made of the interrupt."""
 
     exit_code = 128 + signal.SIGTERM
+    seen = False
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        Terminated.seen = True
 
 
 @contextmanager
