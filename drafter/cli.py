@@ -43,24 +43,31 @@ def config_validate(files: list[Path] = typer.Argument(..., help="profiles to ch
                     offline: bool = typer.Option(False, "--offline",
                                                  help="do not check that local paths (target, sources, "
                                                       "drafter) exist")) -> None:
-    """Print every problem in each profile; exit non-zero if any profile is invalid."""
+    """Print every problem in each profile. Exit 1 if any profile is invalid; exit 5 if they are valid
+    but name local paths missing on this machine (a profile for a cluster checked on a laptop:
+    warnings, not problems); 0 otherwise."""
     from drafter.config import path_problems
+    from drafter.errors import EXIT_PATHS_MISSING
+    from drafter.secrets import secret_looking_env
 
-    failed = 0
+    failed = missing = 0
     for path in files:
         try:
             cfg = load_config(path)
-            problems = [] if offline else path_problems(cfg)
-            if problems:
-                raise ConfigError(problems, str(path))
             decided = _sglang_decides(cfg, path) if cfg.serve.engine == "sglang" else ""
-            typer.echo(f"{path}: ok{decided}")
+            absent = [] if offline else path_problems(cfg)
+            missing += bool(absent)
+            typer.echo(f"{path}: ok{decided}" + (f", but {len(absent)} path(s) missing here" if absent else ""))
+            for field, msg in absent:
+                typer.echo(f"  warning: {field}: {msg} (--offline skips this check)", err=True)
+            for warning in secret_looking_env(cfg.serve.env):
+                typer.echo(f"  warning: {warning}", err=True)
         except ConfigError as err:
             failed += 1
             typer.echo(f"{path}: {len(err.problems)} problem(s)", err=True)
             for field, msg in err.problems:
                 typer.echo(f"  {field}: {msg}", err=True)
-    raise typer.Exit(1 if failed else 0)
+    raise typer.Exit(1 if failed else EXIT_PATHS_MISSING if missing else 0)
 
 
 def _sglang_decides(cfg: LifecycleConfig, path: Path) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 EXIT_CONFIG = 2
 EXIT_RETRYABLE = 3
 EXIT_FAILED = 4
+EXIT_PATHS_MISSING = 5  # `config validate`: the profiles are valid, but local paths they name are not here
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 

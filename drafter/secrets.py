@@ -31,7 +31,19 @@ _SAFE_NAMES = {"PATH", "HOME", "LANG", "TZ", "TERM", "USER", "HOSTNAME", "PWD", 
 # ... unless the name itself says it holds a credential (VLLM_API_KEY, HF_HUB_TOKEN, ...).
 _SECRET_WORD = re.compile(r"KEY|TOKEN|SECRET|PASS|AUTH|CRED|COOKIE|SESSION|PRIVATE|SIGNATURE|PAT\b|_PAT_",
                           re.IGNORECASE)
-_SECRET_FLAG = re.compile(r"^--?[\w-]*(key|token|secret|passw|auth|credential|cookie)[\w-]*$", re.IGNORECASE)
+# A flag is secret-looking when one of its words names a credential: `--api-key`, `--hf-token`,
+# `--ssl-keyfile-password`. Whole words only: `--speculative-num-draft-tokens` is a count and
+# `--tokenizer-path` a path, and masking them would make the saved launch record unreproducible.
+_SECRET_FLAG_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "pass", "passphrase", "auth",
+                      "credential", "credentials", "cookie"}
+
+
+def _secret_flag(flag: str) -> bool:
+    if not flag.startswith("-"):
+        return False
+    return any(word in _SECRET_FLAG_WORDS for word in re.split(r"[-_]", flag.lstrip("-").lower()))
+
+
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][\w+.-]*://)(?P<user>[^/\s:@]*):(?P<password>[^/\s@]+)@")
 _URL_QUERY_SECRET = re.compile(
     r"(?P<name>[?&](?:[\w.-]*(?:key|token|secret|password|sig|signature|auth|credential)[\w.-]*))=(?P<value>[^&\s#]+)",
@@ -44,6 +56,14 @@ class SecretError(DrafterError):
     """A secret reference that cannot be resolved here (unset variable, no such block)."""
 
     exit_code = 2
+
+
+def secret_looking_env(env: Mapping[str, str]) -> list[str]:
+    """Warnings for values typed into `serve.env` under names that say they hold a credential: that
+    section is configuration, stored wherever the configuration goes (Prefect's database, the UI)."""
+    return [f"serve.env.{name} looks like a secret: serve.env is configuration and is stored with the run "
+            f"(Prefect parameters, the UI); reference it instead: serve.secrets: {{{name}: env:{name}}}"
+            for name in sorted(env) if _SECRET_WORD.search(name)]
 
 
 def safe_name(name: str) -> bool:
@@ -74,7 +94,7 @@ def mask_argv(argv: Iterable[str]) -> list[str]:
             hide_next = False
             continue
         flag, eq, _value = arg.partition("=")
-        if _SECRET_FLAG.match(flag):
+        if _secret_flag(flag):
             if eq:
                 out.append(f"{flag}={MASK}")
             else:
@@ -93,7 +113,7 @@ def secret_values(env: Mapping[str, str], argv: Iterable[str] = ()) -> set[str]:
     for masked, real in zip(mask_argv(argv), argv):
         if masked != real:
             flag, eq, value = real.partition("=")
-            values.add(value if eq and _SECRET_FLAG.match(flag) else real)
+            values.add(value if eq and _secret_flag(flag) else real)
     return {v for v in values if len(v) >= 6}  # short values ("1", "true") would mask everything
 
 

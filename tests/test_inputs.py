@@ -63,11 +63,21 @@ def test_config_validate_checks_local_paths_unless_offline(tmp_path, monkeypatch
     path = profile(tmp_path, target={"path": str(tmp_path / "no-model"), "num_hidden_layers": 8},
                    data={"sources": [{"kind": "jsonl", "path": str(tmp_path / "no.jsonl")}]})
     code, err = drafter(monkeypatch, capsys, "config", "validate", path)
-    assert code == 1
-    assert f"target.path: no such directory: {tmp_path / 'no-model'}" in err
-    assert f"data.sources.0.path: no such file: {tmp_path / 'no.jsonl'}" in err
+    # A profile for another machine: valid, its missing paths are warnings with their own exit code.
+    assert code == 5
+    assert f"warning: target.path: no such directory: {tmp_path / 'no-model'}" in err
+    assert f"warning: data.sources.0.path: no such file: {tmp_path / 'no.jsonl'}" in err
     code, err = drafter(monkeypatch, capsys, "config", "validate", "--offline", path)
     assert code == 0
+
+
+def test_config_validate_warns_of_a_secret_typed_into_serve_env(tmp_path, monkeypatch, capsys):
+    path = profile(tmp_path, target={"path": str(tmp_path), "num_hidden_layers": 8},
+                   serve={"env": {"NCCL_ALGO": "Ring", "HF_TOKEN": "hf_typed_in", "WANDB_KEY": "k"}})
+    code, err = drafter(monkeypatch, capsys, "config", "validate", "--offline", path)
+    assert code == 0  # a warning: the profile works, but the value is stored with every run
+    assert "warning: serve.env.HF_TOKEN looks like a secret" in err and "serve.env.WANDB_KEY" in err
+    assert "NCCL_ALGO" not in err and "hf_typed_in" not in err
 
 
 def test_a_serve_only_profile_needs_no_train_or_dump_fields(tmp_path):

@@ -80,3 +80,12 @@ def test_unresolvable_or_literal_secrets_are_refused_before_any_launch(tmp_path,
     monkeypatch.setattr("drafter.secrets._RESOLVERS", {})
     with pytest.raises(SecretError, match="prefect: references resolve only inside a Prefect run"):
         check_server(parse_config(secret_profile(tmp_path, "prefect:hf-token")))
+
+
+def test_counts_and_paths_are_not_secrets():
+    """Whole words only: a saved launch record must reproduce the command (the draft-token count)."""
+    argv = ["--speculative-num-draft-tokens", "4", "--max-total-tokens", "4096", "--tokenizer-path", "/m",
+            "--api-key", PLANTED, "--token", PLANTED, "--ssl-keyfile-password", PLANTED]
+    assert mask_argv(argv) == ["--speculative-num-draft-tokens", "4", "--max-total-tokens", "4096",
+                               "--tokenizer-path", "/m", "--api-key", MASK, "--token", MASK,
+                               "--ssl-keyfile-password", MASK]

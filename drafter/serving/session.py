@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from drafter.config import LifecycleConfig
-from drafter.secrets import expand_placeholders, resolve_all
+from drafter.secrets import expand_placeholders, resolve_all, secret_looking_env
 from drafter.serving.engines import check_speculative_settings, engine_python, make_engine
 from drafter.serving.errors import ServerConfigError, TeardownError
 from drafter.serving.gate import wait_until_ready
@@ -150,6 +150,8 @@ class ServerSession:
             for note in stale:
                 log.warning("%s", note)
             self.notes = stale + preflight(spec, cfg)
+            for warning in secret_looking_env(cfg.serve.env):  # stored with the run: say so where it runs
+                log.warning("%s", warning)
             # the draft's layer ids against the rule of the engine version installed (field note 4)
             self.layer_ids = check_draft_layer_ids(engine.name, self.draft_path, cfg.target.path, engine_python(cfg))
             if self.layer_ids.get("engine_version"):
