@@ -12,32 +12,91 @@ One JSON document per (target, name) in the store, `_registry/<target fingerprin
   and the plot of accept length across retrains.
 
 Updates rewrite the whole document with one put (an atomic rename on local files, one PUT on S3):
-a reader sees the old or the new state, never half of one. One writer at a time is assumed (the
-`retrain-nightly` deployment runs with a concurrency limit of 1).
+a reader sees the old or the new state, never half of one. Writers may run concurrently (a manual
+`drafter registry promote` during a retrain, several CLI runs): every update is a compare-and-swap
+(`ObjectStore.put_if`: a lock on local files, a conditional PUT on S3). A writer that lost the race
+re-reads the document and applies its change to the new state, up to `WRITE_ATTEMPTS` times, then
+fails with RegistryConflict. An update that changes nothing (promoting the current champion) writes
+nothing.
 """
 from __future__ import annotations
 
 import json
+import logging
+import random
 import re
+import time
+from collections.abc import Callable
 from datetime import datetime, timezone
+from typing import TypeVar
 
 from drafter.errors import DrafterError
 from drafter.formats import EXPORT
-from drafter.stage_output import StageOutput
+from drafter.stage_output import StageOutput, check_fingerprint
 from drafter.store import ObjectNotFound, ObjectStore
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ROOT = "_registry"
 CHAMPION = "champion"  # `serve.draft_path: champion`, `train.init_from: champion`
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+# A write loses the race at most once per other writer that wrote meanwhile: 16 covers 16 writers.
+WRITE_ATTEMPTS = 16
+_sleep = time.sleep  # tests make the pause between attempts instant
+_EVENT_KEYS = ("seq", "action", "export", "previous")
+_SHAPE = 'a JSON object {"events": [{"seq", "action", "export", "previous", ...}, ...], "decisions": [...]}'
 
 
 class RegistryError(DrafterError):
     """A registry request that cannot be done (no champion, nothing to roll back to, an export
-    that does not exist or belongs to another target). Never retried."""
+    that does not exist or belongs to another target, a registry file that is not one). Never retried."""
+
+
+class RegistryConflict(RegistryError):
+    """Other writers changed the registry every time we tried to update it: a later attempt may work."""
+
+    retryable = True
 
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _encode(doc: dict) -> bytes:
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+
+def _shape_problem(doc) -> str | None:
+    """What is wrong with a parsed registry document, None if it has the registry's shape."""
+    if not isinstance(doc, dict):
+        return f"a JSON {type(doc).__name__ if doc is not None else 'null'}"
+    for field in ("events", "decisions"):
+        if not isinstance(doc.get(field), list):
+            return f"{field!r}: {type(doc.get(field)).__name__ if field in doc else 'missing'}"
+    for i, event in enumerate(doc["events"]):
+        if not _event_ok(event, i):
+            return f"event {i}: {json.dumps(event)[:80]}"
+    return None
+
+
+def _event_ok(event, i: int) -> bool:
+    """Event `i` has its fields, its seq is its position and `previous` an earlier event (or None)."""
+    if not isinstance(event, dict) or any(k not in event for k in _EVENT_KEYS) or event["seq"] != i:
+        return False
+    previous = event["previous"]
+    return previous is None or (isinstance(previous, int) and 0 <= previous < i)
+
+
+def _before(events: list[dict], event: dict) -> dict | None:
+    """The champion `event`'s champion replaced, skipping events of the same export (a registry
+    written by an earlier version may hold one champion twice in a row); None if there is none."""
+    prior = event
+    while prior["previous"] is not None:
+        prior = events[prior["previous"]]
+        if prior["export"] != event["export"]:
+            return prior
+    return None
 
 
 class Registry:
@@ -46,6 +105,7 @@ class Registry:
     def __init__(self, store: ObjectStore, target: str, name: str):
         if not _NAME.match(name):
             raise RegistryError(f"drafter name {name!r}: use letters, digits, '.', '_' or '-'")
+        check_fingerprint(target, "target fingerprint")
         self.store, self.target, self.name = store, target, name
         self.key = f"{ROOT}/{target}/{name}.json"
 
@@ -63,16 +123,42 @@ class Registry:
         return self.store.uri(self.key)
 
     def load(self) -> dict:
+        return self._read()[0]
+
+    def _read(self) -> tuple[dict, str | None]:
+        """The document and its version (None: there is none yet), its shape checked."""
         try:
-            doc = json.loads(self.store.get_bytes(self.key))
+            raw, version = self.store.get_versioned(self.key)
         except ObjectNotFound:
-            return {"target": self.target, "name": self.name, "events": [], "decisions": []}
+            return {"target": self.target, "name": self.name, "events": [], "decisions": []}, None
+        try:
+            doc = json.loads(raw)
         except ValueError as err:
             raise RegistryError(f"unreadable registry {self.uri}: {err}") from None
-        return doc
+        problem = _shape_problem(doc)
+        if problem:
+            raise RegistryError(f"registry {self.uri} is not a registry document: expected {_SHAPE}, "
+                                f"got {problem}")
+        return doc, version
 
-    def _save(self, doc: dict) -> None:
-        self.store.put_bytes(self.key, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+    def _update(self, change: Callable[[dict], T]) -> T:
+        """Compare-and-swap: `change` edits the document in place and returns the result; it runs
+        again on the re-read document whenever another writer got there first."""
+        result, after = None, None
+        for attempt in range(1, WRITE_ATTEMPTS + 1):
+            doc, version = self._read()
+            if after is not None and _encode(doc) == after:
+                return result  # our write did land (a retried PUT whose first answer was lost)
+            before = _encode(doc)
+            result = change(doc)
+            after = _encode(doc)
+            if after == before or self.store.put_if(self.key, after, version):
+                return result
+            log.info("registry %s changed while we updated it (attempt %d of %d): applying ours again",
+                     self.uri, attempt, WRITE_ATTEMPTS)
+            _sleep(random.uniform(0, 0.02 * attempt))  # apart from the writers we raced with
+        raise RegistryConflict(f"registry {self.uri} was changed by other writers each of the "
+                               f"{WRITE_ATTEMPTS} times we tried to update it; try again")
 
     def champion(self) -> dict | None:
         """The event that made the current champion (its `export` fingerprint), None without one."""
@@ -103,9 +189,8 @@ class Registry:
         if current["export"] != challenger:
             return current["export"]
         promoted = next((e for e in reversed(events) if e["action"] == "promote" and e["export"] == challenger), None)
-        if promoted is None or promoted["previous"] is None:
-            return None
-        return events[promoted["previous"]]["export"]
+        prior = _before(events, promoted) if promoted is not None else None
+        return prior["export"] if prior is not None else None
 
     def history(self) -> list[dict]:
         return self.load()["events"]
@@ -125,40 +210,49 @@ class Registry:
         return out
 
     def promote(self, export_fp: str, reason: str, figures: dict | None = None, decision: dict | None = None) -> dict:
-        """Make `export_fp` the champion; with `decision`, record that retrain verdict in the same write."""
+        """Make `export_fp` the champion; with `decision`, record that retrain verdict in the same write.
+        If it already is the champion, no event is added and the event that made it champion is
+        returned (a `decision` is still recorded)."""
+        check_fingerprint(export_fp, "export fingerprint")
         self.check_export(export_fp)
-        doc = self.load()
-        events = doc["events"]
-        event = {"seq": len(events), "action": "promote", "export": export_fp, "at": _now(), "reason": reason,
-                 "figures": figures or {}, "previous": events[-1]["seq"] if events else None}
-        events.append(event)
-        if decision is not None:
-            doc["decisions"].append({**decision, "at": event["at"]})
-        self._save(doc)
-        return event
+
+        def change(doc: dict) -> dict:
+            events, at = doc["events"], _now()
+            if events and events[-1]["export"] == export_fp:
+                event = events[-1]
+            else:
+                event = {"seq": len(events), "action": "promote", "export": export_fp, "at": at, "reason": reason,
+                         "figures": figures or {}, "previous": events[-1]["seq"] if events else None}
+                events.append(event)
+            if decision is not None:
+                doc["decisions"].append({**decision, "at": at})
+            return event
+
+        return self._update(change)
 
     def record_decision(self, decision: dict) -> None:
         """A verdict that left the champion as it was (a rejected challenger)."""
-        doc = self.load()
-        doc["decisions"].append({**decision, "at": _now()})
-        self._save(doc)
+        self._update(lambda doc: doc["decisions"].append({**decision, "at": _now()}))
 
     def rollback(self, reason: str = "manual rollback") -> dict:
         """Make the champion before the current one champion again."""
-        doc = self.load()
-        events = doc["events"]
-        if not events:
-            raise RegistryError(f"{self.name}: no champion yet, nothing to roll back")
-        current = events[-1]
-        if current["previous"] is None:
-            raise RegistryError(f"{self.name}: champion {current['export']} is the first one, nothing to roll back to")
-        back_to = events[current["previous"]]
-        event = {"seq": len(events), "action": "rollback", "export": back_to["export"], "at": _now(),
-                 "reason": f"{reason} (from {current['export']})", "figures": back_to["figures"],
-                 "previous": back_to["previous"]}
-        events.append(event)
-        self._save(doc)
-        return event
+
+        def change(doc: dict) -> dict:
+            events = doc["events"]
+            if not events:
+                raise RegistryError(f"{self.name}: no champion yet, nothing to roll back")
+            current = events[-1]
+            back_to = _before(events, current)
+            if back_to is None:
+                raise RegistryError(f"{self.name}: champion {current['export']} is the first one, "
+                                    f"nothing to roll back to")
+            event = {"seq": len(events), "action": "rollback", "export": back_to["export"], "at": _now(),
+                     "reason": f"{reason} (from {current['export']})", "figures": back_to["figures"],
+                     "previous": back_to["previous"]}
+            events.append(event)
+            return event
+
+        return self._update(change)
 
 
 def list_registries(store: ObjectStore) -> list[dict]:

@@ -6,6 +6,8 @@ Layout under the store root: `<stage>/<fingerprint>/`
                               verified (size + sha256): the resume point of a killed stage
     _SUCCESS.json             the manifest, written LAST: the stage is complete iff it exists, parses,
                               and every shard it lists exists with the listed size
+    _failed/<time>.json       a manifest `repair` set aside, with the verification failures that
+                              made it (evidence; the next run of the stage redoes those shards)
 
 A shard may be a reference (`ShardInfo.source`): bytes another output committed, listed here by
 their key instead of copied (an incremental dump reuses terabytes that way, see drafter.reuse).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,13 +35,24 @@ from pydantic import BaseModel, Field, ValidationError
 
 from drafter.errors import DrafterError
 from drafter.hashing import CHUNK, canonical_json, hash_chunks, hash_file, sha256_hex, short_hash
-from drafter.store import CorruptObject, ObjectNotFound, ObjectStore, StoreError, check_key
+from drafter.store import CorruptObject, InvalidName, ObjectNotFound, ObjectStore, StoreError, check_key
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "_SUCCESS.json"
 PARTS_DIR = "_parts"
+FAILED_DIR = "_failed"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_fingerprint(value: str, what: str = "fingerprint") -> str:
+    """A fingerprint (or stage name) is one plain path segment: letters, digits, '.', '_', '-',
+    starting with a letter or digit. Anything path-like (`..`, `a/b`) is refused before it names a key."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise InvalidName(f"invalid {what} {value!r}: use letters, digits, '.', '_' or '-' "
+                          f"(e.g. 0123456789abcdef), not a path")
+    return value
 
 
 # A stage's progress callback: (done, total or None, *info); a Prefect artifact, a terminal bar.
@@ -190,9 +204,8 @@ class StageOutput:
     """One stage's output at `<stage>/<fingerprint>/` in `store`."""
 
     def __init__(self, store: ObjectStore, stage: str, fingerprint: str):
-        check_key(stage)
-        if "/" in stage or "/" in fingerprint or not fingerprint:
-            raise StoreError(f"invalid stage {stage!r} / fingerprint {fingerprint!r}")
+        check_fingerprint(stage, "stage")
+        check_fingerprint(fingerprint)
         self.store = store
         self.stage = stage
         self.fingerprint = fingerprint
@@ -339,7 +352,7 @@ class StageOutput:
         key = source.data_key(want)
         if self.store.size(key) != want.size:
             raise CorruptObject(key, f"referenced shard has {self.store.size(key)} bytes, its manifest says "
-                                     f"{want.size}", self.store.uri(key))
+                                     f"{want.size}", self.store.uri(key), repair=False)
         self.store.delete(self.key(name))  # bytes of an earlier attempt must not shadow the reference
         info = ShardInfo(name=name, size=want.size, sha256=want.sha256,
                          meta=want.meta if meta is None else meta, source=key)
@@ -410,7 +423,7 @@ class StageOutput:
         when it matches."""
         key = self.data_key(info)
         try:
-            self._verify(key, info, *hash_chunks(self.store.iter_chunks(key)), when="on verify")
+            self._verify(key, info, *hash_chunks(self.store.iter_chunks(key)), when="on verify", repair=False)
         except CorruptObject as err:
             return str(err)
         except ObjectNotFound:
@@ -433,22 +446,77 @@ class StageOutput:
             info, problem = bad[0]
             raise CorruptObject(self.key(info.name), f"{len(bad)} of {len(shards)} shards failed verification "
                                 f"before commit (e.g. {problem}); their markers were removed: run the stage "
-                                f"again to regenerate them", self.store.uri(self.key(info.name)))
+                                f"again to regenerate them", self.store.uri(self.key(info.name)), repair=False)
         self._verified.update((info.name, info.sha256) for info in unchecked)
 
     def verify(self, progress: Progress | None = None) -> dict:
         """Re-hash every shard of the committed output end to end (`drafter verify`):
         {"uri", "shards", "bytes", "problems": [one line per bad shard]}."""
         manifest = self.load_manifest()
-        problems = []
+        return self._report(manifest, self._failures(manifest, progress))
+
+    def _failures(self, manifest: Manifest, progress: Progress | None) -> list[tuple[ShardInfo, str]]:
+        failures = []
         for done, info in enumerate(manifest.shards, 1):
             problem = self._hash_problem(info)
             if problem:
-                problems.append(f"{info.name}: {problem}")
+                failures.append((info, problem))
             if progress is not None:
                 progress(done, len(manifest.shards))
+        return failures
+
+    def _report(self, manifest: Manifest, failures: list[tuple[ShardInfo, str]]) -> dict:
         return {"uri": self.uri, "shards": len(manifest.shards), "bytes": manifest.total_bytes,
-                "problems": problems}
+                "problems": [f"{info.name}: {problem}" for info, problem in failures]}
+
+    def repair(self, progress: Progress | None = None) -> dict:
+        """`drafter verify --repair`: verify the committed output; if shards fail, set it aside so
+        that the next run of its stage redoes them (instead of skipping a complete-looking output
+        and refusing to read it on every run). Setting aside moves `_SUCCESS.json` to
+        `_failed/<time>.json` with the failures (the evidence) and removes the failed shards'
+        markers; their bytes stay until the run rewrites them. A failed reference (the bytes of an
+        earlier output) sets that output aside too, else the run would reference the same bytes again.
+        Returns verify's report and "set_aside": the URIs of the evidence written (empty: all good)."""
+        manifest = self.load_manifest()
+        failures = self._failures(manifest, progress)
+        report = {**self._report(manifest, failures), "set_aside": []}
+        if not failures:
+            return report
+        report["set_aside"].append(self._set_aside(manifest, failures))
+        owners: dict[tuple[str, str], list[tuple[str, str]]] = {}
+        for info, problem in failures:
+            if info.source is not None:
+                stage, fp, name = info.source.split("/", 2)
+                owners.setdefault((stage, fp), []).append((name, problem))
+        for (stage, fp), shards in owners.items():
+            owner = StageOutput(self.store, stage, fp)
+            try:
+                owner_manifest = owner.load_manifest()
+            except (ObjectNotFound, ManifestError):
+                continue  # no longer committed: nothing will reference it again
+            names = {s.name for s in owner_manifest.shards}
+            bad = [(owner_manifest.shard(name), f"referenced by {self.uri}: {problem}")
+                   for name, problem in shards if name in names]
+            if bad:
+                report["set_aside"].append(owner._set_aside(owner_manifest, bad))
+        return report
+
+    def _set_aside(self, manifest: Manifest, failures: list[tuple[ShardInfo, str]]) -> str:
+        """The evidence first, then the manifest goes (the output is visibly incomplete), then the
+        failed shards' markers (so the resumed run redoes exactly those). Returns the evidence URI."""
+        now = datetime.now(timezone.utc)
+        key = self.key(f"{FAILED_DIR}/{now.strftime('%Y%m%dT%H%M%SZ')}-{uuid.uuid4().hex[:8]}.json")
+        evidence = {"set_aside_at": now.isoformat(timespec="seconds"),
+                    "problems": {info.name: problem for info, problem in failures},
+                    "manifest": manifest.model_dump(mode="json")}
+        self.store.put_bytes(key, (json.dumps(evidence, indent=1) + "\n").encode())
+        self.store.delete(self.key(MANIFEST_NAME))
+        self._manifest = None
+        for info, _ in failures:
+            self.store.delete(self._marker_key(info.name))
+        log.warning("%s: %d shards failed verification; set aside (evidence %s): the next run of %s redoes them",
+                    self.uri, len(failures), self.store.uri(key), self.stage)
+        return self.store.uri(key)
 
     def reset(self) -> int:
         """Delete the whole output (forced re-run). The manifest goes first, so an interrupted
@@ -483,13 +551,15 @@ class StageOutput:
         except (ValidationError, ValueError) as e:
             raise StoreError(f"unreadable marker for {self.store.uri(self.key(name))}: {e}") from e
 
-    def _verify(self, key: str, want: ShardInfo, size: int, sha: str, when: str = "on read") -> None:
+    def _verify(self, key: str, want: ShardInfo, size: int, sha: str, when: str = "on read",
+                repair: bool = True) -> None:
         uri = self.store.uri(key)
         if size != want.size:
             hint = " (truncated)" if size < want.size else ""
-            raise CorruptObject(key, f"size mismatch {when}: expected {want.size} bytes, got {size}{hint}", uri)
+            raise CorruptObject(key, f"size mismatch {when}: expected {want.size} bytes, got {size}{hint}", uri,
+                                repair)
         if sha != want.sha256:
-            raise CorruptObject(key, f"sha256 mismatch {when}: expected {want.sha256}, got {sha}", uri)
+            raise CorruptObject(key, f"sha256 mismatch {when}: expected {want.sha256}, got {sha}", uri, repair)
 
     def read_shard(self, name: str) -> bytes:
         """The verified bytes of a shard (small shards; use download_shard for big ones)."""

@@ -12,6 +12,13 @@ now points at the very file it wrote (same inode, same size); S3Store sends each
 the checksum and size the server recorded for the finished object (HEAD, ChecksumMode=ENABLED). A
 backend that cannot vouch (a server that records no checksum) is read back and hashed instead.
 
+`get_versioned` + `put_if` are the compare-and-swap of small documents that several processes update
+(the drafter registry): `put_if` writes only while the object is still the version that was read
+(or still absent). FileStore holds an exclusive `flock` on a lock file next to the object while it
+compares the content's sha256 and renames; S3Store sends a conditional PUT (`If-Match` on the ETag,
+`If-None-Match: *` to create), which S3 evaluates atomically (since August/November 2024; MinIO
+and recent Ceph RGW too; a server that ignores the headers makes the write unconditional).
+
 Retries on S3 come in two layers, on purpose:
 - botocore's own retry loop ("standard" mode, `max_attempts` HTTP attempts per request, exponential
   backoff with jitter) handles throttling (SlowDown, 503, RequestLimitExceeded, Throttling) and 5xx
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import hashlib
 import io
 import logging
@@ -39,8 +47,8 @@ from typing import BinaryIO, TypeVar
 
 from drafter.backoff import backoff_delay
 from drafter.config import StorageConfig
-from drafter.errors import DrafterError
-from drafter.hashing import CHUNK, hash_chunks
+from drafter.errors import EXIT_CONFIG, DrafterError
+from drafter.hashing import CHUNK, hash_chunks, sha256_hex
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,22 @@ class BucketError(StoreError):
     retryable = False
 
 
+class CredentialsError(BucketError):
+    """No usable S3 credentials (none found, a partial set, a profile that does not exist): fix the
+    environment. The message names the bucket and the endpoint, never a secret."""
+
+    exit_code = EXIT_CONFIG
+
+
+class InvalidName(StoreError):
+    """A key, prefix, stage or fingerprint that could escape its place in the store (`..`, `/`,
+    `\\`, ...), or an endpoint URL that names no server: a usage error, refused before anything is
+    read or written."""
+
+    retryable = False
+    exit_code = EXIT_CONFIG
+
+
 class _DeadlinePassed(Exception):
     """Raised by our before-send hook inside botocore: stops its retry loop at the deadline."""
 
@@ -80,30 +104,45 @@ class ObjectNotFound(StoreError):
 
 
 class CorruptObject(StoreError):
-    """An object's bytes do not match what was recorded for it (sha256 or size): a person must look."""
+    """An object's bytes do not match what was recorded for it (sha256 or size): a person must look.
+
+    A key inside a stage output (`<stage>/<fingerprint>/...`) is a committed output that failed a
+    read or a verification: the message names the command that sets the output aside so that the
+    next run of the stage redoes it (`StageOutput.repair`). `repair=False` where a re-run alone
+    fixes it (an upload the store committed wrongly, a shard whose marker was just removed)."""
 
     retryable = False
 
-    def __init__(self, key: str, detail: str, uri: str | None = None):
+    def __init__(self, key: str, detail: str, uri: str | None = None, repair: bool = True):
         self.key = key
         self.uri = uri or key
-        super().__init__(f"corrupt object {self.uri}: {detail}")
+        hint = repair_hint(key) if repair else None
+        super().__init__(f"corrupt object {self.uri}: {detail}" + (f"; {hint}" if hint else ""))
+
+
+def repair_hint(key: str) -> str | None:
+    """The command that repairs the committed stage output holding `key`, None outside one."""
+    parts = key.split("/")
+    if len(parts) < 2 or parts[0].startswith("_"):
+        return None
+    return (f"to redo it, run `drafter verify --repair {parts[0]} -c PROFILE` (the profile that made it), "
+            f"then run {parts[0]} again")
 
 
 def check_key(key: str) -> str:
     """Reject keys that could escape the root or collide with temp files; return the key."""
     if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/") or "\\" in key:
-        raise StoreError(f"invalid object key {key!r}: need a relative 'a/b/c' path")
+        raise InvalidName(f"invalid object key {key!r}: need a relative 'a/b/c' path")
     for part in key.split("/"):
         if part in ("", ".", "..") or TMP_MARK in part:
-            raise StoreError(f"invalid object key {key!r}: bad path segment {part!r}")
+            raise InvalidName(f"invalid object key {key!r}: bad path segment {part!r}")
     return key
 
 
 def check_prefix(prefix: str) -> str:
     """A list/delete prefix is a plain string prefix (S3 semantics), but never escapes the root."""
     if prefix and (prefix.startswith("/") or "\\" in prefix or ".." in prefix.split("/")):
-        raise StoreError(f"invalid prefix {prefix!r}")
+        raise InvalidName(f"invalid prefix {prefix!r}")
     return prefix
 
 
@@ -137,6 +176,16 @@ class ObjectStore(ABC):
     @abstractmethod
     def delete(self, key: str) -> None: ...
 
+    @abstractmethod
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """An object's bytes and its version (opaque) for `put_if`; ObjectNotFound if absent."""
+
+    @abstractmethod
+    def put_if(self, key: str, data: bytes, version: str | None) -> bool:
+        """Compare-and-swap: write `data` only if the object still is `version` (from
+        `get_versioned`; None: only if it is still absent). False, nothing written, if another
+        writer changed (or created, or deleted) it in between."""
+
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
 
@@ -163,7 +212,7 @@ class ObjectStore(ABC):
         got_size, got_sha = hash_chunks(self.iter_chunks(key))
         if (got_size, got_sha) != (size, sha256):
             raise CorruptObject(key, f"after upload: wrote {size} bytes sha256 {sha256}, the store holds "
-                                     f"{got_size} bytes sha256 {got_sha}", self.uri(key))
+                                     f"{got_size} bytes sha256 {got_sha}", self.uri(key), repair=False)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of an object (fewer if it is shorter)."""
@@ -304,7 +353,8 @@ class FileStore(ObjectStore):
             self.check_read_back(key, size, sha)
         elif (st.st_dev, st.st_ino, st.st_size) != written["file"] or st.st_size != size:
             raise CorruptObject(key, f"after upload: wrote {size} bytes, but {path} is another file "
-                                     f"({st.st_size} bytes): replaced concurrently?", self.uri(key))
+                                     f"({st.st_size} bytes): replaced concurrently?", self.uri(key),
+                                repair=False)
         return size, sha
 
     def get_bytes(self, key: str) -> bytes:
@@ -361,6 +411,32 @@ class FileStore(ObjectStore):
         with self._os_errors("delete", key):
             self._path(key).unlink(missing_ok=True)
 
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        data = self.get_bytes(key)
+        return data, sha256_hex(data)  # the content is the version: an equal one is the same state
+
+    def put_if(self, key: str, data: bytes, version: str | None) -> bool:
+        path = self._path(key)
+        with self._os_errors("put", key), self._locked(path):
+            try:
+                current = sha256_hex(path.read_bytes())
+            except FileNotFoundError:
+                current = None
+            if current != version:
+                return False
+            atomic_write(path, lambda f: f.write(data))
+            return True
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _locked(path: Path):
+        """An exclusive lock held by this process over `path`'s writers (flock on a lock file next
+        to it; its name holds TMP_MARK, so it is never listed as an object)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f".{path.name}{TMP_MARK}lock"), "ab") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file is closed
+            yield
+
     def delete_prefix(self, prefix: str) -> int:
         n = super().delete_prefix(prefix)
         self._prune_empty_dirs(self.root / prefix.rpartition("/")[0])
@@ -391,7 +467,17 @@ def _transient_errors() -> tuple[type[BaseException], ...]:
     return (BotoConnectionError, HTTPClientError, IncompleteReadError, RetriesExceededError)
 
 
+def _credential_errors() -> tuple[type[BaseException], ...]:
+    from botocore.exceptions import (
+        CredentialRetrievalError, NoCredentialsError, PartialCredentialsError, ProfileNotFound)
+
+    return (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError, ProfileNotFound)
+
+
 _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
+# A conditional PUT that lost: the object is no longer the version read (412), another conditional
+# write to it is in flight (409), or it was deleted meanwhile (If-Match on a missing key: 404).
+_LOST_RACE_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"} | _NOT_FOUND_CODES
 
 
 class S3Store(ObjectStore):
@@ -422,7 +508,6 @@ class S3Store(ObjectStore):
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self._sleep = time.sleep  # tests swap this to observe the backoff
-        self._transient = _transient_errors()
         self.list_page_size = 1000  # S3's maximum; tests lower it to exercise pagination
         extra: dict = {}
         if endpoint_url:
@@ -435,9 +520,15 @@ class S3Store(ObjectStore):
         config = Config(retries={"mode": retry_mode, "total_max_attempts": max_attempts},
                         connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
                         max_pool_connections=max(10, max_concurrency * 2), **extra)
+        self._transient, self._no_credentials = _transient_errors(), _credential_errors()
         # A private session: boto3's default session is not thread-safe to create clients from.
-        self.client = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint_url, region_name=region, config=config)
+        try:
+            self.client = boto3.session.Session().client(
+                "s3", endpoint_url=endpoint_url, region_name=region, config=config)
+        except self._no_credentials as e:  # AWS_PROFILE names a profile that does not exist
+            raise self._credentials_error("connect", "", e) from e
+        except ValueError as e:  # botocore: "Invalid endpoint: ..."
+            raise InvalidName(f"storage.endpoint_url {endpoint_url!r}: {e} (use http(s)://host[:port])") from e
         # botocore's own retries are silent and know no total deadline: one hook logs each of them,
         # another stops the next request of an operation once its deadline has passed.
         self.client.meta.events.register("needs-retry.s3", self._log_request_retry)
@@ -461,7 +552,8 @@ class S3Store(ObjectStore):
         return f"{self.prefix}/{prefix}" if self.prefix else prefix
 
     def uri(self, key: str) -> str:
-        path = self._full(key) if key else self.prefix
+        """The URI of a key or of a prefix ("a/" included: error messages of a listing name it)."""
+        path = self._full_prefix(key) if key else self.prefix
         return f"s3://{self.bucket}/{path}"
 
     # ---- error handling
@@ -481,6 +573,21 @@ class S3Store(ObjectStore):
             return BucketError(f"{op} {self.uri(key)}: {code} ({self._where()}): check storage.root and the "
                                f"credentials (boto3 chain: AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)")
         return StoreError(f"{op} {self.uri(key)}: {err}")
+
+    def _credentials_error(self, op: str, key: str, err: Exception) -> CredentialsError:
+        """One line naming the bucket, the endpoint and where credentials come from. botocore's
+        own text is only kept where it cannot hold a secret (it names providers and variables)."""
+        name = type(err).__name__
+        if name == "NoCredentialsError":
+            detail = "no credentials found"
+        elif name in ("PartialCredentialsError", "ProfileNotFound"):
+            detail = str(err)
+        else:  # CredentialRetrievalError: its text may quote a credential process; name the provider
+            detail = f"{name} from {getattr(err, 'kwargs', {}).get('provider', 'a credential provider')}"
+        return CredentialsError(
+            f"{op} {self.uri(key)}: {detail} ({self._where()}); provide credentials for bucket {self.bucket!r} "
+            f"in the environment (AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY), AWS_PROFILE with "
+            f"~/.aws/credentials, or an instance / pod role")
 
     def _timeout(self, op: str, key: str, attempts: int) -> OperationTimeout:
         return OperationTimeout(
@@ -530,6 +637,8 @@ class S3Store(ObjectStore):
                     return fn()
                 except ClientError as e:
                     raise self._translate(e, op, key) from e
+                except self._no_credentials as e:
+                    raise self._credentials_error(op, key, e) from e
                 except _DeadlinePassed:
                     raise self._timeout(op, key, attempt) from None
                 except self._transient as e:
@@ -629,7 +738,7 @@ class S3Store(ObjectStore):
         stored = head.get("ChecksumSHA256")
         if int(head["ContentLength"]) != size:
             raise CorruptObject(key, f"after upload: wrote {size} bytes, the store holds "
-                                     f"{head['ContentLength']}", self.uri(key))
+                                     f"{head['ContentLength']}", self.uri(key), repair=False)
         if stored is None:  # the server keeps no checksums: prove it the slow way
             if not self._warned_no_checksum:
                 self._warned_no_checksum = True
@@ -637,7 +746,8 @@ class S3Store(ObjectStore):
                             self.endpoint_url or "S3")
             self.check_read_back(key, size, sha256)
         elif stored.split("-")[0] != checksum:
-            raise CorruptObject(key, f"after upload: server checksum {stored}, expected {checksum}", self.uri(key))
+            raise CorruptObject(key, f"after upload: server checksum {stored}, expected {checksum}", self.uri(key),
+                                repair=False)
 
     def get_bytes(self, key: str) -> bytes:
         return b"".join(self.iter_chunks(key))
@@ -677,6 +787,8 @@ class S3Store(ObjectStore):
                 if pos and str(e.response.get("Error", {}).get("Code")) in ("PreconditionFailed", "412"):
                     raise StoreError(f"get {self.uri(key)}: object changed while reading") from e
                 raise self._translate(e, "get", key) from e
+            except self._no_credentials as e:
+                raise self._credentials_error("get", key, e) from e
             except _DeadlinePassed:
                 raise self._timeout("get", key, attempt) from None
             except self._transient as e:
@@ -737,6 +849,32 @@ class S3Store(ObjectStore):
     def delete(self, key: str) -> None:
         full = self._full(key)
         self._retry("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=full))
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        full = self._full(key)
+
+        def get() -> tuple[bytes, str]:  # the bytes and the ETag of the same response
+            resp = self.client.get_object(Bucket=self.bucket, Key=full)
+            return resp["Body"].read(), resp["ETag"]
+
+        return self._retry("get", key, get)
+
+    def put_if(self, key: str, data: bytes, version: str | None) -> bool:
+        from botocore.exceptions import ClientError
+
+        full = self._full(key)
+        condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+
+        def put() -> bool:
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=full, Body=data, **condition)
+            except ClientError as e:
+                if str(e.response.get("Error", {}).get("Code")) in _LOST_RACE_CODES:
+                    return False
+                raise
+            return True
+
+        return self._retry("put", key, put)
 
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list(prefix)

@@ -340,3 +340,67 @@ def test_manifest_on_disk_is_plain_json(out):
     doc = json.loads(out.store.get_bytes(out.key(MANIFEST_NAME)))
     assert doc["shards"][0]["name"] == "x" and len(doc["shards"][0]["sha256"]) == 64
     assert doc["meta"] == {"k": "v"}
+
+
+# ---- repair: a committed output whose shard fails verification is set aside, evidence kept
+
+
+def test_repair_sets_a_failed_output_aside_so_the_next_run_redoes_it(out):
+    for name in ("a", "b"):
+        out.write_shard(name, name.encode() * 1000)
+    committed = out.commit({"k": "v"})
+    assert out.repair()["set_aside"] == []  # all good: nothing changes
+    assert out.is_complete()
+
+    _flip_byte(out.store, out.key("a"), 10)
+    assert out.is_complete()  # same size: a skipped re-run, and every read refuses
+    with pytest.raises(CorruptObject, match=r"sha256 mismatch on read.*; to redo it, run `drafter verify "
+                                            r"--repair dump -c PROFILE` \(the profile that made it\), then run dump"):
+        StageOutput(out.store, "dump", out.fingerprint).read_shard("a")
+    report = out.repair()
+    assert report["shards"] == 2 and len(report["problems"]) == 1 and report["problems"][0].startswith("a: ")
+    assert "--repair" not in report["problems"][0]  # the hint is for the refusal, not for each line
+    [evidence_uri] = report["set_aside"]
+    assert not out.is_complete() and list(out.completed_shards()) == ["b"]
+    [evidence_key] = [k for k in out.store.list(out.prefix + "/_failed/")]
+    assert out.store.uri(evidence_key) == evidence_uri
+    evidence = json.loads(out.store.get_bytes(evidence_key))
+    assert evidence["manifest"] == committed.model_dump(mode="json")
+    assert list(evidence["problems"]) == ["a"] and "sha256 mismatch on verify" in evidence["problems"]["a"]
+
+    # the next run: writes what is missing, commits; the evidence stays, outside the output's shards
+    rerun = StageOutput(out.store, "dump", out.fingerprint)
+    rerun.write_shard("a", b"a" * 1000)
+    assert [s.name for s in rerun.commit({"k": "v"}).shards] == ["a", "b"]
+    assert rerun.verify()["problems"] == [] and out.store.exists(evidence_key)
+    with pytest.raises(ObjectNotFound, match="not committed"):
+        StageOutput(out.store, "dump", "0000000000000000").repair()
+
+
+def test_repair_of_a_failed_reference_sets_the_output_owning_the_bytes_aside(any_store):
+    earlier = StageOutput(any_store, "dump", "feedfacefeedface")
+    earlier.write_shard("s0", b"x" * 500)
+    earlier.write_shard("s1", b"y" * 500)
+    earlier.commit({})
+    later = StageOutput(any_store, "dump", "0123456789abcdef")
+    later.link_shard("s0", earlier, "s0")
+    later.write_shard("s2", b"z" * 500)
+    later.commit({})
+    _flip_byte(any_store, earlier.key("s0"), 3)
+    report = later.repair()
+    assert len(report["set_aside"]) == 2 and not later.is_complete() and not earlier.is_complete()
+    assert list(later.completed_shards()) == ["s2"] and list(earlier.completed_shards()) == ["s1"]
+    [evidence] = any_store.list(earlier.prefix + "/_failed/")
+    assert "referenced by" in json.loads(any_store.get_bytes(evidence))["problems"]["s0"]
+    with pytest.raises(ObjectNotFound):  # a later run finds no committed output to reference again
+        StageOutput.committed(any_store, "dump", "feedfacefeedface")
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", "..", "", "x\\y"])
+def test_a_path_like_stage_or_fingerprint_is_refused_not_retried(any_store, bad):
+    from drafter.store import InvalidName
+
+    for stage, fp in (("dump", bad), (bad, "0123456789abcdef")):
+        with pytest.raises(InvalidName) as err:
+            StageOutput(any_store, stage, fp)
+        assert not err.value.retryable

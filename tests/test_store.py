@@ -325,3 +325,105 @@ def test_invalid_bucket_name_is_a_config_error_and_a_missing_bucket_is_final():
     with pytest.raises(ConfigError, match="invalid bucket name 'My_Bucket'"):
         parse_config({"target": {"path": "/t"}, "storage": {"root": "s3://My_Bucket/prefix"}})
     assert not BucketError("x").retryable
+
+
+# ---- compare-and-swap (the registry's writes)
+
+
+def test_put_if_writes_only_over_the_version_read(any_store):
+    key = "_registry/t0/demo.json"
+    assert any_store.put_if(key, b"v1", None)  # created
+    assert not any_store.put_if(key, b"other", None)  # exists already: not created again
+    data, v1 = any_store.get_versioned(key)
+    assert data == b"v1"
+    assert any_store.put_if(key, b"v2", v1)
+    assert not any_store.put_if(key, b"stale", v1)  # written since v1 was read
+    data, v2 = any_store.get_versioned(key)
+    assert data == b"v2" and v2 != v1
+    any_store.delete(key)
+    assert not any_store.put_if(key, b"v3", v2)  # deleted since
+    assert any_store.list("_registry/") == []
+    with pytest.raises(ObjectNotFound):
+        any_store.get_versioned(key)
+
+
+def test_filestore_put_if_excludes_concurrent_writers(tmp_path):
+    """Two threads read the same version; exactly one compare-and-swap wins."""
+    import threading
+
+    store = FileStore(tmp_path)
+    store.put_bytes("doc", b"v0")
+    _, v0 = store.get_versioned("doc")
+    barrier, wins = threading.Barrier(8), []
+
+    def write(i: int) -> None:
+        barrier.wait()
+        if store.put_if("doc", f"v{i}".encode(), v0):
+            wins.append(i)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(1, 9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1 and store.get_bytes("doc") == f"v{wins[0]}".encode()
+    assert store.list() == ["doc"]  # the lock file is never listed
+
+
+# ---- s3:// configuration and credentials: one typed line, never a traceback, never a secret
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("env, says", [
+    ({}, "no credentials found"),
+    ({"AWS_ACCESS_KEY_ID": "AKIAVERYSECRETVALUE"}, "Partial credentials found in env, missing: AWS_SECRET_ACCESS_KEY"),
+    ({"AWS_PROFILE": "nosuchprofile"}, "The config profile (nosuchprofile) could not be found"),
+], ids=["none", "partial", "profile"])
+def test_s3_missing_credentials_are_one_line_naming_bucket_endpoint_and_how(s3_endpoint, monkeypatch, env, says):
+    from drafter.store import CredentialsError
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+
+    store = lambda: S3Store("drafter-test", "p", endpoint_url=s3_endpoint, region="us-east-1", max_attempts=1)
+    calls = [lambda: store().get_bytes("k"), lambda: store().put_bytes("k", b"x"),
+             lambda: store().put_stream("k", [b"x"]), lambda: store().list("a/"), lambda: store().size("k"),
+             lambda: store().put_if("k", b"x", None)]
+    for call in calls:  # (partial credentials and a missing profile already fail when the client is made)
+        with pytest.raises(CredentialsError) as err:
+            call()
+        text = str(err.value)
+        assert says in text and "AWS_ACCESS_KEY_ID" in text and s3_endpoint in text, text
+        assert "VERYSECRET" not in text and "\n" not in text
+        assert not err.value.retryable and err.value.exit_code == 2
+
+
+@pytest.mark.s3
+def test_s3_missing_credentials_through_the_cli_is_one_line(s3_endpoint, tmp_path, monkeypatch, capsys):
+    from tests.test_inputs import drafter, profile
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    path = profile(tmp_path, storage={"root": "s3://drafter-test/p", "endpoint_url": s3_endpoint, "max_attempts": 1})
+    code, err = drafter(monkeypatch, capsys, "outputs", "-c", path)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [err.strip()]
+    assert err.startswith(f"error (CredentialsError): list s3://drafter-test/p: no credentials found (endpoint "
+                          f"{s3_endpoint}); provide credentials for bucket 'drafter-test' in the environment")
+
+
+def test_s3_unreachable_endpoint_names_the_listing_and_an_invalid_endpoint_is_refused(monkeypatch):
+    from drafter.store import InvalidName
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    store = S3Store("b", "p", endpoint_url="http://127.0.0.1:1", region="us-east-1", max_attempts=1,
+                    connect_timeout_s=1)
+    with pytest.raises(StoreError, match=r"list s3://b/p/a/: giving up after 1 attempts \(endpoint "
+                                         r"http://127.0.0.1:1\)") as err:
+        store.list("a/")
+    assert err.value.retryable
+    with pytest.raises(InvalidName, match="storage.endpoint_url 'localhost:9000'"):
+        S3Store("b", endpoint_url="localhost:9000")
