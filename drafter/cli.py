@@ -253,8 +253,11 @@ def registry_list(config: Path = ConfigOpt,
 def registry_promote(export_fp: str = typer.Argument(..., metavar="EXPORT", help="export fingerprint"),
                      config: Path = ConfigOpt,
                      reason: str = typer.Option("manual promotion", help="recorded in the history")) -> None:
-    """Make a committed export of this target the champion."""
-    typer.echo(_event_line(_registry(config).promote(export_fp, reason)))
+    """Make a committed export of this target the champion (a no-op when it already is)."""
+    reg = _registry(config)
+    already = reg.champion_export() == export_fp
+    event = reg.promote(export_fp, reason)
+    typer.echo(f"already the champion: {_event_line(event)}" if already else _event_line(event))
 
 
 @registry_app.command("rollback")
@@ -329,8 +332,12 @@ def verify(target: str = typer.Argument(..., help="a stage name (its output for 
                                                  "e.g. file:///data/store/dump/ab12cd34ef56ab78"),
            config: Optional[Path] = typer.Option(None, "--config", "-c",
                                                  help="YAML profile (needed for a stage name; its storage "
-                                                      "settings are used for s3:// URIs)")) -> None:
-    """Re-hash a committed output end to end against its manifest; exit 4 if any shard is bad."""
+                                                      "settings are used for s3:// URIs)"),
+           repair: bool = typer.Option(False, "--repair", help="set a failed output aside (its evidence kept "
+                                                               "under _failed/) so the next run of its stage "
+                                                               "redoes the bad shards")) -> None:
+    """Re-hash a committed output end to end against its manifest; exit 4 if any shard is bad
+    (with --repair: set it aside and exit 0, the next run of the stage redoes it)."""
     from drafter.stage_output import CorruptObject, StageOutput
     from drafter.stages import TABLE
     from drafter.store import open_store
@@ -360,11 +367,17 @@ def verify(target: str = typer.Argument(..., help="a stage name (its output for 
         out = StageOutput(open_store(cfg.storage), target, fingerprint)
     bar = _progress_bar(f"verify {out.stage}", unit="shard")
     try:
-        report = out.verify(progress=bar.update_to)
+        report = (out.repair if repair else out.verify)(progress=bar.update_to)
     finally:
         bar.close()
     for problem in report["problems"]:
         typer.echo(f"  {problem}", err=True)
+    if repair and report["problems"]:
+        for uri in report["set_aside"]:
+            typer.echo(f"  set aside: {uri}", err=True)
+        typer.echo(f"{out.uri}: {len(report['problems'])} of {report['shards']} shards failed; set aside: run "
+                   f"{out.stage} again to redo them")
+        return
     if report["problems"]:
         raise CorruptObject(out.prefix, f"{len(report['problems'])} of {report['shards']} shards failed "
                                         f"verification", out.uri)
