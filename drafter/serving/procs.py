@@ -1,4 +1,5 @@
-"""The processes of a server: find them, signal them, and end them when their launcher dies.
+"""The processes of a server (or of torchrun and its ranks): find them, signal them, and end them
+when their launcher dies.
 
 Standard library only: the watchdog (`python -m drafter.serving.procs watch ...`) runs this module
 alone, so it starts in a few milliseconds and never imports the project's heavy dependencies.
@@ -13,13 +14,15 @@ The watchdog: the launcher starts it next to the server with the read end of a p
 end only the launcher holds. When the launcher dies, by any signal including SIGKILL, the kernel
 closes the write end, the watchdog reads EOF and ends the server (SIGTERM, a grace period,
 SIGKILL). A normal teardown closes the pipe after the server is gone, and the watchdog finds
-nothing to do. Limit: a child the launcher forks without exec (multiprocessing's fork) holds a copy
-of the write end, so the watchdog fires only once that child is gone too.
+nothing to do. `Watchdog` starts one (the train stage's torchrun launch uses it). Limit: a child
+the launcher forks without exec (multiprocessing's fork) holds a copy of the write end, so the
+watchdog fires only once that child is gone too.
 """
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -203,9 +206,49 @@ def watch(fd: int, pgid: int, sid: int | None, tag: str | None, grace_s: float,
             Path(pid_file).unlink(missing_ok=True)
 
 
+class Watchdog:
+    """The launcher's side: starts `watch` for group `pgid` / session `sid` / `tag` right after
+    those processes started; `close()` once they are gone (a normal end: nothing left to do)."""
+
+    def __init__(self, pgid: int, sid: int, tag: str, grace_s: float = 10.0, pid_file: str = ""):
+        self.grace_s = grace_s
+        read_fd, write_fd = os.pipe()  # both non-inheritable; pass_fds hands the read end over
+        try:
+            # Its own session: whatever ends the launcher's group (Prefect, a terminal) spares it.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "drafter.serving.procs", "watch", str(read_fd), str(pgid),
+                 str(sid), tag, str(grace_s), pid_file],
+                pass_fds=(read_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                start_new_session=True, cwd=Path(__file__).resolve().parents[2])
+        except BaseException:
+            os.close(write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+        self._fd: int | None = write_fd
+
+    def close(self) -> None:
+        """EOF to the watchdog; wait while it ends what is left (its grace, then SIGKILL)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        try:
+            self.proc.wait(timeout=self.grace_s + 15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "Watchdog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 7 or argv[0] != "watch":
-        print("usage: python -m drafter.serving.procs watch FD PGID SID TAG GRACE_S PID_FILE", file=sys.stderr)
+        print("usage: python -m drafter.serving.procs watch FD PGID SID TAG GRACE_S PID_FILE "
+              "(PID_FILE '': none)", file=sys.stderr)
         return 2
     _, fd, pgid, sid, tag, grace, pid_file = argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the launcher is not for us

@@ -9,17 +9,25 @@ source, the checkpoint, the dump's fingerprint and the aux layer ids.
 Checkpoints go to the store while training (`train.save_every_steps`, SIGTERM): a killed or
 cancelled run resumes exactly where it stopped, because the checkpoints are keyed by this stage's
 fingerprint. With `train.nproc_per_node > 1` the stage launches torchrun itself (this module is the
-per-rank entry point) with the launch environment from the configuration.
+per-rank entry point) with the launch environment from the configuration, in its own session with a
+watchdog (drafter.serving.procs): torchrun and its ranks end when this process dies, even by kill -9.
+SIGTERM is handed on to them (they checkpoint) and ends the stage as TrainingInterrupted (exit 143).
+One run per output at a time (drafter.training.workdir): a second is refused by name, and a re-run
+removes the temp dirs of dead runs.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from drafter.config import LifecycleConfig, fingerprint_fields, parse_config
@@ -31,12 +39,15 @@ from drafter.launch_env import launch_overrides
 from drafter.stage_output import Progress, StageOutput, StageResult
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore, open_store
+from drafter.serving import procs
 from drafter.target_identity import target_fingerprint, target_identity
-from drafter.training.errors import TrainingError
+from drafter.training.errors import TrainingError, TrainingInterrupted
+from drafter.training.workdir import remove_stale_work_dirs, train_lock, work_prefix
 
 log = logging.getLogger(__name__)
 
 RESULT_FILE = "train-result.json"  # what rank 0 of a torchrun launch hands back to the stage
+TRAINERS_GRACE_S = 60.0  # the watchdog's SIGTERM -> SIGKILL wait: the ranks write a checkpoint first
 # Bump when what a train output holds changes for the same configuration: 2 = the chain metrics
 # (accept_rate_k; drafter.training.metrics), so outputs with the old figures are not reused.
 TRAIN_RECIPE = 3  # 3: held-out rows carry the served walk (drafter.training.metrics.served_walk)
@@ -85,22 +96,34 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     if out.is_complete():
         return _result(out, skipped=True)
     StageOutput.committed(store, DUMP, upstream[DUMP])  # a missing dump fails here, naming it
-    with tempfile.TemporaryDirectory(prefix="drafter-train-") as work:
-        champion = _champion(cfg, store) if cfg.train.init_from == CHAMPION else None
-        if cfg.train.init_from == CHAMPION:  # fine-tune the champion's SGLang files (or start afresh)
-            start = str(download_export(store, champion, Path(work) / "champion", "sglang")) if champion else None
-            cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": start})})
-        if cfg.train.nproc_per_node > 1:
-            meta = _train_torchrun(cfg, upstream[DUMP], fp, Path(work), on_line)
-        else:
-            meta = _train_here(cfg, store, upstream[DUMP], fp, Path(work), progress)
-        drafter_dir = Path(work) / "drafter"
-        for name in TRAINED_DRAFTER_FILES:
-            out.write_shard(name, drafter_dir / Path(name).name)
-        out.write_shard(TRAIN_METRICS, Path(work) / TRAIN_METRICS)
-        out.write_shard(TRAIN_CURVES, Path(work) / TRAIN_CURVES)
-    out.commit({**meta, "dump_fingerprint": upstream[DUMP], "init_from_champion": champion})
+    with train_lock(fp) as lock_fd:  # held until the commit; another live run of `fp`: refused by name
+        if out.is_complete():  # committed by the run that held the lock before us
+            return _result(out, skipped=True)
+        remove_stale_work_dirs(fp)  # we hold the lock: their owners are dead
+        with tempfile.TemporaryDirectory(prefix=work_prefix(fp)) as work:
+            meta = _train_into(out, cfg, store, upstream[DUMP], fp, Path(work), progress, on_line, lock_fd)
+        out.commit(meta)
     return _result(out, skipped=False)
+
+
+def _train_into(out: StageOutput, cfg: LifecycleConfig, store: ObjectStore, dump_fp: str, fp: str, work: Path,
+                progress: Progress | None, on_line, lock_fd: int) -> dict:
+    """Train in `work` and upload the drafter and its metrics to `out`; returns the manifest meta."""
+    if cfg.train.cache_dir is None:  # the shard cache goes with the work dir, also a dead run's
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"cache_dir": str(work)})})
+    champion = _champion(cfg, store) if cfg.train.init_from == CHAMPION else None
+    if cfg.train.init_from == CHAMPION:  # fine-tune the champion's SGLang files (or start afresh)
+        start = str(download_export(store, champion, work / "champion", "sglang")) if champion else None
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": start})})
+    if cfg.train.nproc_per_node > 1:
+        meta = _train_torchrun(cfg, dump_fp, fp, work, on_line, lock_fd)
+    else:
+        meta = _train_here(cfg, store, dump_fp, fp, work, progress)
+    for name in TRAINED_DRAFTER_FILES:
+        out.write_shard(name, work / "drafter" / Path(name).name)
+    out.write_shard(TRAIN_METRICS, work / TRAIN_METRICS)
+    out.write_shard(TRAIN_CURVES, work / TRAIN_CURVES)
+    return {**meta, "dump_fingerprint": dump_fp, "init_from_champion": champion}
 
 
 def _train_here(cfg: LifecycleConfig, store: ObjectStore, dump_fp: str, fp: str, work: Path,
@@ -113,9 +136,10 @@ def _train_here(cfg: LifecycleConfig, store: ObjectStore, dump_fp: str, fp: str,
     return result.meta
 
 
-def _train_torchrun(cfg: LifecycleConfig, dump_fp: str, fp: str, work: Path, on_line) -> dict:
+def _train_torchrun(cfg: LifecycleConfig, dump_fp: str, fp: str, work: Path, on_line, lock_fd: int) -> dict:
     """One process per GPU under torchrun, each running `main()` below; rank 0 writes the drafter,
-    the metrics and RESULT_FILE into `work`. Its output lines reach `on_line` (the run log)."""
+    the metrics and RESULT_FILE into `work`. Its output lines reach `on_line` (the run log).
+    torchrun inherits `lock_fd`: the output stays locked until it is gone."""
     from drafter.training.distributed import torchrun_command
 
     cfg_path = work / "config.json"
@@ -123,8 +147,33 @@ def _train_torchrun(cfg: LifecycleConfig, dump_fp: str, fp: str, work: Path, on_
     env = launch_overrides(cfg.serve.env)
     argv, full_env = torchrun_command(cfg.train.nproc_per_node, ["drafter.stages.train", str(cfg_path),
                                                                  dump_fp, fp, str(work)], env)
+    # torchrun starts each rank in a session of its own: the tag, inherited by every rank, finds them.
+    tag = uuid.uuid4().hex
+    full_env[procs.TAG_VAR] = tag
     log.info("train: %s", " ".join(argv))
-    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Own session and group, so the watchdog can end exactly torchrun's processes.
+    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, pass_fds=(lock_fd,))
+    try:
+        watchdog = procs.Watchdog(proc.pid, proc.pid, tag, TRAINERS_GRACE_S)
+    except BaseException:
+        proc.kill()
+        raise
+    with watchdog, _forward_sigterm(proc) as sigterm:
+        code, tail = _follow(proc, on_line)
+    result = work / RESULT_FILE
+    if sigterm:
+        raise TrainingInterrupted(f"SIGTERM: handed on to torchrun and its {cfg.train.nproc_per_node} ranks "
+                                  f"(exit code {code}), which checkpoint on SIGTERM; a re-run resumes from "
+                                  "the newest checkpoint")
+    if code != 0 or not result.is_file():
+        raise TorchrunFailed(f"torchrun with {cfg.train.nproc_per_node} processes exited with code {code}; "
+                             "last lines:\n  " + "\n  ".join(tail))
+    return json.loads(result.read_text())
+
+
+def _follow(proc: subprocess.Popen, on_line) -> tuple[int, list[str]]:
+    """Hand torchrun's output lines to `on_line` until it exits: (exit code, last 40 lines)."""
     tail: list[str] = []
     try:
         for line in proc.stdout:
@@ -132,16 +181,31 @@ def _train_torchrun(cfg: LifecycleConfig, dump_fp: str, fp: str, work: Path, on_
             tail = (tail + [line])[-40:]
             if on_line is not None:
                 on_line(line)
-        code = proc.wait()
+        return proc.wait(), tail
     finally:
-        if proc.poll() is None:  # cancelled (SIGTERM / Ctrl-C): the ranks checkpoint on SIGTERM
+        if proc.poll() is None:  # Ctrl-C (torchrun's own session does not get it): the ranks checkpoint on SIGTERM
             proc.terminate()
             proc.wait(timeout=120)
-    result = work / RESULT_FILE
-    if code != 0 or not result.is_file():
-        raise TorchrunFailed(f"torchrun with {cfg.train.nproc_per_node} processes exited with code {code}; "
-                             "last lines:\n  " + "\n  ".join(tail))
-    return json.loads(result.read_text())
+
+
+@contextmanager
+def _forward_sigterm(proc: subprocess.Popen) -> Iterator[list[int]]:
+    """SIGTERM (Prefect's cancellation, `kill`) goes on to torchrun, which hands it to the ranks;
+    torchrun then exits and the caller sees the list non-empty. Main thread only (signals)."""
+    hit: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield hit
+        return
+
+    def handler(signum, frame):
+        hit.append(signum)
+        proc.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield hit
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class TorchrunFailed(TrainingError):

@@ -1,11 +1,18 @@
 """Expected training failures. Mismatches and bad checkpoints never heal on retry."""
 from __future__ import annotations
 
-from drafter.errors import DrafterError
+from drafter.errors import EXIT_TERMINATED, DrafterError
 
 
 class TrainingError(DrafterError):
     retryable = False
+
+
+class TrainingInterrupted(TrainingError):
+    """SIGTERM (e.g. Prefect cancellation): a checkpoint was written, a re-run resumes from it.
+    An interruption, not a failure: the CLI exits 143 like any SIGTERM (README, exit codes)."""
+
+    exit_code = EXIT_TERMINATED
 
 
 class DumpIncompatible(TrainingError):

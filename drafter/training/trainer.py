@@ -2,8 +2,8 @@
 
 Order of work: check the dump against the target (layer ids, convention, hidden size, target
 fingerprint) and `init_from` against the target, before anything is loaded; draft vocab from the
-drafter (init_from) or counted over the training split; resume from the newest complete checkpoint
-of this run; then steps of `micro_batches_per_step` packed micro-batches (split across ranks),
+drafter (init_from) or counted over the training split; resume from this run's newest checkpoint
+that verifies; then steps of `micro_batches_per_step` packed micro-batches (split across ranks),
 clipping, AdamW; metrics at intervals; held-out metrics at `eval_every_steps` and at the end;
 checkpoints at `save_every_steps`, at the end, and on SIGTERM (then TrainingInterrupted).
 """
@@ -28,7 +28,7 @@ from drafter.store import ObjectStore
 from drafter.training import checkpoint as ckpt
 from drafter.training import distributed
 from drafter.training.data import Cursor, DumpExpectation, DumpReader, DumpSplit, Packer, count_vocab, dump_splits
-from drafter.training.errors import DrafterIncompatible, TrainingError
+from drafter.training.errors import DrafterIncompatible, TrainingError, TrainingInterrupted
 from drafter.training.metrics import plot_png, served_figures, served_walk, summarize, to_jsonl
 from drafter.training.optim import MasterAdamW, clip_gradients, lr_factor, peak_learning_rate
 from drafter.training.static_step import GraphedTTT, plan_static
@@ -39,10 +39,6 @@ from drafter.training.vocab import ids_from_maps, select_draft_vocab
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
-
-
-class TrainingInterrupted(TrainingError):
-    """SIGTERM (e.g. Prefect cancellation): a checkpoint was written, the run can resume."""
 
 
 @dataclass
@@ -308,7 +304,7 @@ def _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run, out_d
             if d.any(sigterm.hit):
                 if saved_at != step:
                     save()
-                raise TrainingInterrupted(f"SIGTERM at step {step}: checkpoint written, the run resumes from it")
+                raise TrainingInterrupted(f"SIGTERM at step {step}: checkpoint written, a re-run resumes from it")
     if acc_tokens:
         rows.append({"split": "train", "step": step, "tokens": acc_tokens, **summarize(acc)})
         acc.zero_()
