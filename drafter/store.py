@@ -122,8 +122,10 @@ class CorruptObject(StoreError):
 
 def repair_hint(key: str) -> str | None:
     """The command that repairs the committed stage output holding `key`, None outside one."""
+    from drafter.stages import TABLE  # lazily: the stages build on the store
+
     parts = key.split("/")
-    if len(parts) < 2 or parts[0].startswith("_"):
+    if len(parts) < 2 or parts[0] not in TABLE.names:  # e.g. train-checkpoints/: not a stage output
         return None
     return (f"to redo it, run `drafter verify --repair {parts[0]} -c PROFILE` (the profile that made it), "
             f"then run {parts[0]} again")
