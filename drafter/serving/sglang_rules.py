@@ -129,8 +129,7 @@ def check_with_sglang(cfg, launches: Sequence[tuple[SpeculativeConfig | None, bo
     not importable there, our transcribed rules decide and the report says so."""
     version = installed_version("sglang", python)
     if version is None:
-        return {"source": f"transcribed rules (read in sglang {READ_VERSIONS['sglang']}; sglang is not "
-                          f"importable with {python})", "asked_sglang": False}
+        return _not_asked(f"sglang is not importable with {python}")
     request: dict[str, Any] = {"resolve": [_launch_arguments(argv) for _, _, argv in launches]}
     our_ids = written = None
     if layers is not None:
@@ -187,7 +186,7 @@ def _local_target(cfg) -> tuple[str, int] | None:
     return arch, int(layers) if layers else 0
 
 
-def _not_asked(cfg, why: str) -> dict[str, Any]:
+def _not_asked(why: str) -> dict[str, Any]:
     return {"source": f"transcribed rules (read in sglang {READ_VERSIONS['sglang']}; {why})", "asked_sglang": False}
 
 
@@ -197,13 +196,13 @@ def preflight_with_sglang(cfg, argv: Sequence[str], env: Mapping[str, str], pyth
     ids name (`layer_ids`: what drafter.serving.layer_check found in the export)."""
     target = _local_target(cfg)
     if target is None:
-        return _not_asked(cfg, f"target {cfg.target.path} is not a local directory")
+        return _not_asked(f"target {cfg.target.path} is not a local directory")
     arch, num_layers = target
     layers = None
     if layer_ids.get("checked") and num_layers:
         layers = {"aux_layer_ids": layer_ids["aux_layer_ids"], "ids": layer_ids["ids"], "num_layers": num_layers}
-    return check_with_sglang(cfg, [(cfg.serve.speculative, speculating, argv)], python=python, env=env, architecture=arch,
-                             layers=layers)
+    return check_with_sglang(cfg, [(cfg.serve.speculative, speculating, argv)], python=python, env=env,
+                             architecture=arch, layers=layers)
 
 
 def validate_with_sglang(cfg) -> dict[str, Any]:
@@ -214,7 +213,7 @@ def validate_with_sglang(cfg) -> dict[str, Any]:
     python = engine_python(cfg)
     target = _local_target(cfg)
     if target is None:
-        return _not_asked(cfg, f"target {cfg.target.path} is not a local directory")
+        return _not_asked(f"target {cfg.target.path} is not a local directory")
     arch, num_layers = target
     engine = make_engine("sglang")
     draft = cfg.serve.draft_path
