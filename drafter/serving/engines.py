@@ -4,8 +4,9 @@ An `Engine` knows four things about a server program: how to launch it from a va
 `LifecycleConfig` (`build_launch`), what its start-up log looks like (`phases`, `ready_patterns`,
 `fatal_patterns`, used by the stall watchdog, and `config_error_patterns`: the lines that mean
 "this configuration cannot run on this host", a failed start that no retry will fix), how to ask a
-running server which speculative settings it ACTUALLY uses (`read_settings`; field note 3: a flag can be quietly rewritten), and
-how to read its acceptance counters (`metrics_snapshot` / `accept_length`).
+running server which speculative settings it ACTUALLY uses (`read_settings`; field note 3: a flag
+can be quietly rewritten), and how to read its acceptance counters (`metrics_snapshot` /
+`accept_length`).
 
 Engines: `sglang`, `vllm` (production), `reference` (our own server, SGLang-compatible endpoints
 and start-up lines) and `command` (any user command plus a health URL).
