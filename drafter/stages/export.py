@@ -20,7 +20,6 @@ from what the engine loads or from the trained drafter; an offline accept length
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from drafter.stage_output import Progress, StageOutput, StageResult, guarded_pro
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore
 from drafter.target_identity import target_fingerprint, target_identity
+from drafter.workdirs import scratch_dir
 
 STAGE = "export"
 SGLANG_DIR, VLLM_DIR = "sglang", "vllm"
@@ -112,8 +112,7 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     train_meta = inputs["train"].manifest.meta
     ours = cfg.aux_layer_ids()
     target = TargetInfo.read(cfg.target.path)
-    with tempfile.TemporaryDirectory(prefix="drafter-export-") as work:
-        work = Path(work)
+    with scratch_dir(STAGE, fp) as work:  # a killed run's folder is removed by the next run
         from drafter.model import load_drafter
 
         source = load_drafter(download_trained_drafter(store, inputs["train"].manifest, work / "trained"))
