@@ -443,6 +443,7 @@ def main() -> None:
         raise Terminated(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, terminate)
+    Terminated.seen = False  # this run's SIGTERM only (main() runs more than once inside the tests)
     usage_errors, aborts = _click_exceptions()
     try:
         code = app(standalone_mode=False)
