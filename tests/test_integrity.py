@@ -22,13 +22,18 @@ def _flip_a_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_recommit_verifies_shards_and_verify_rehashes_end_to_end(tmp_path, monkeypatch, capsys):
+def _prepared(tmp_path):
+    """A small corpus prepared: (profile path, config, store, the prepare result)."""
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"question number {i}"}) + "\n" for i in range(20)))
     path = profile(tmp_path, data={"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.2})
     cfg = load_config(path)
     store = open_store(cfg.storage)
-    first = prepare.run(cfg, store)
+    return path, cfg, store, prepare.run(cfg, store)
+
+
+def test_recommit_verifies_shards_and_verify_rehashes_end_to_end(tmp_path, monkeypatch, capsys):
+    path, cfg, store, first = _prepared(tmp_path)
     code, err = drafter(monkeypatch, capsys, "verify", "prepare", "-c", path)
     assert code == 0, err
     out = StageOutput(store, "prepare", first.fingerprint)
@@ -58,13 +63,7 @@ def test_a_flipped_shard_under_an_intact_success_marker_is_repaired(tmp_path, mo
     the output aside (its manifest and the failures kept under `_failed/`) so the next run redoes it."""
     from drafter.formats import load_prepared
 
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"question number {i}"}) + "\n" for i in range(20)))
-    path = profile(tmp_path, data={"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.2})
-    cfg = load_config(path)
-    store = open_store(cfg.storage)
-    first = prepare.run(cfg, store)
-    out = StageOutput(store, "prepare", first.fingerprint)
+    path, cfg, store, first = _prepared(tmp_path)
     _flip_a_byte(tmp_path / "store" / "prepare" / first.fingerprint / "train.jsonl")
 
     assert prepare.run(cfg, store).status == "skipped"  # sizes match: looks complete
