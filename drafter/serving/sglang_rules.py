@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 from drafter.config import SpeculativeConfig
 from drafter.layers import READ_VERSIONS, UnknownLayerIdRule, engine_layer_ids
 from drafter.serving.errors import ServerConfigError
-from drafter.serving.layer_check import installed_version
+from drafter.serving.layer_check import installed_version, target_architecture
 
 PROBE = Path(__file__).with_name("sglang_probe.py")
 
@@ -177,13 +177,10 @@ def _label(spec: SpeculativeConfig | None) -> str:
 
 def _local_target(cfg) -> tuple[str, int] | None:
     """(architecture, layers) of a local target; None for a hub id (SGLang would fetch its config)."""
-    try:
-        config = json.loads((Path(cfg.target.path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
+    path = Path(cfg.target.path).expanduser()
+    if not (path / "config.json").is_file():
         return None
-    arch = (config.get("architectures") or [""])[0]
-    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
-    return arch, int(layers) if layers else 0
+    return target_architecture(str(path)) or "", cfg.target.resolved_shape()["num_hidden_layers"] or 0
 
 
 def _not_asked(why: str) -> dict[str, Any]:
