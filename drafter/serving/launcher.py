@@ -445,36 +445,16 @@ class ServerProcess:
         self.tag = uuid.uuid4().hex
         self.redact = Redactor()
         self.owner = current_owner()
-        self._watchdog: subprocess.Popen | None = None
-        self._watch_fd: int | None = None
+        self._watchdog: procs.Watchdog | None = None
 
     def _start_watchdog(self, grace_s: float = 10.0) -> None:
         """A process outside the server's session that ends the server when this process dies,
         even by SIGKILL (it reads EOF on a pipe only we hold open; drafter.serving.procs)."""
-        read_fd, write_fd = os.pipe()  # both non-inheritable; pass_fds hands the read end over
-        try:
-            self._watchdog = subprocess.Popen(
-                [sys.executable, "-m", "drafter.serving.procs", "watch", str(read_fd), str(self.pgid),
-                 str(self.pgid), self.tag, str(grace_s), str(self.pid_path)],
-                pass_fds=(read_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                start_new_session=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-        except BaseException:
-            os.close(write_fd)
-            raise
-        finally:
-            os.close(read_fd)
-        self._watch_fd = write_fd
+        self._watchdog = procs.Watchdog(self.pgid, self.pgid, self.tag, grace_s, str(self.pid_path))
 
     def _stop_watchdog(self) -> None:
-        if self._watch_fd is not None:
-            os.close(self._watch_fd)  # EOF: the watchdog finds nothing left and exits
-            self._watch_fd = None
         if self._watchdog is not None:
-            try:
-                self._watchdog.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._watchdog.kill()
-                self._watchdog.wait()
+            self._watchdog.close(wait_s=10)  # EOF: the watchdog finds nothing left and exits
 
     # ---- start ---------------------------------------------------------------------------
     def start(self) -> "ServerProcess":

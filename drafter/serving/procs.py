@@ -227,13 +227,17 @@ class Watchdog:
             os.close(read_fd)
         self._fd: int | None = write_fd
 
-    def close(self) -> None:
-        """EOF to the watchdog; wait while it ends what is left (its grace, then SIGKILL)."""
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def close(self, wait_s: float | None = None) -> None:
+        """EOF to the watchdog; wait while it ends what is left (default: its grace, then SIGKILL)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         try:
-            self.proc.wait(timeout=self.grace_s + 15)
+            self.proc.wait(timeout=self.grace_s + 15 if wait_s is None else wait_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
