@@ -143,6 +143,10 @@ def main() -> None:
     ap.add_argument("--specforge", action="store_true",
                     help="also train with SpecForge 0.2.0's own trainer (PYTHONPATH with specforge) on the same "
                          "dump, vocab map, teacher and epochs; both judged by our judge, paired intervals")
+    ap.add_argument("--specforge-attention", choices=["flex_attention", "sdpa"], default="flex_attention",
+                    help="SpecForge's attention backend (default: its own default, flex_attention). Both compute "
+                         "the same losses and gradients (benchmarks/specforge_backends.py); at batch 1 with "
+                         "varying lengths flex_attention recompiles per shape, sdpa does not")
     ap.add_argument("--only-specforge", action="store_true",
                     help="train with SpecForge only (a second process on the same GPU; --merge pairs the results)")
     ap.add_argument("--merge", type=Path, nargs="+", metavar="QUALITY_JSON",
@@ -253,7 +257,7 @@ def run_chain(args, cfg, store, results: dict, emit) -> None:
 
             row = train_specforge(cfg, store, fps["dump"], Path(work) / "specforge",
                                   device=cfg.train.device if cfg.train.device != "auto" else "cuda",
-                                  epochs=cfg.train.epochs)
+                                  epochs=cfg.train.epochs, attention_backend=args.specforge_attention)
             trainers["specforge"] = {**row, **judge_trainer(cfg, store, fps, Path(row["drafter_dir"]), args.judge_steps)}
             print("specforge", {k: trainers["specforge"][k] for k in ("seconds", "steps", "held_out")}, flush=True)
             results["vs_specforge"] = {name: paired(trainers[name], trainers["specforge"], args.judge_steps)

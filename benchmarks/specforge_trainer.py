@@ -106,7 +106,8 @@ def train_specforge(cfg, store, dump_fp: str, out_dir: Path, *, device: str, epo
                             warmup_ratio=SPECFORGE_DEFAULTS["warmup_ratio"])
         weights = [SPECFORGE_DEFAULTS["ploss_decay"] ** k for k in range(tc.ttt_length)]
         steps = tokens = 0
-        acc_sum = [0.0] * tc.ttt_length
+        # Summed on the GPU: a float() per position per step would wait for the GPU every step.
+        acc_sum = torch.zeros(tc.ttt_length, device=dev)
         t0 = time.perf_counter()
         for _cur, sample in reader.samples(Cursor(), epochs):
             n = min(int(sample["input_ids"].shape[0]), tc.max_length)
@@ -127,12 +128,11 @@ def train_specforge(cfg, store, dump_fp: str, out_dir: Path, *, device: str, epo
             opt.step()
             steps += 1
             tokens += n
-            for k, a in enumerate(acces):
-                acc_sum[k] += float(a)
+            acc_sum += torch.stack([torch.as_tensor(a, device=dev, dtype=torch.float32).detach() for a in acces])
             if log_every and steps % log_every == 0:
-                print(f"specforge step {steps}/{total_steps}: loss {float(loss):.3f}, "
-                      f"acc {[round(a / log_every, 3) for a in acc_sum]}", flush=True)
-                acc_sum = [0.0] * tc.ttt_length
+                print(f"specforge step {steps}/{total_steps} at {time.perf_counter() - t0:.1f} s: "
+                      f"loss {float(loss.detach()):.3f}, acc {[round(float(a) / log_every, 3) for a in acc_sum]}", flush=True)
+                acc_sum.zero_()
         if dev.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
