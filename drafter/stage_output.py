@@ -10,7 +10,7 @@ Layout under the store root: `<stage>/<fingerprint>/`
                               made it (evidence; the next run of the stage redoes those shards)
 
 A shard may be a reference (`ShardInfo.source`): bytes another output committed, listed here by
-their key instead of copied (an incremental dump reuses terabytes that way, see drafter.reuse).
+their key instead of copied (an incremental dump reuses terabytes that way, see drafter.retrain.reuse).
 Completeness checks and reads follow the reference and verify the bytes against this manifest.
 
 The fingerprint hashes everything that determines the output (stage config, upstream fingerprints,

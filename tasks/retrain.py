@@ -10,7 +10,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 
 from drafter.config import LifecycleConfig
-from drafter.registry import Registry
+from drafter.retrain.registry import Registry
 from drafter.stage_output import StageOutput
 from drafter.formats import CHAMPION, CHAMPION_PLOT
 from drafter.store import open_store

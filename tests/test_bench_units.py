@@ -211,7 +211,7 @@ def test_head_to_head_plan_serves_every_setting_with_both_drafters():
 
 def test_head_to_head_ratio_pairs_rounds_and_a_slower_challenger_is_a_veto():
     from drafter.bench.stats import head_to_head
-    from drafter.retrain import RetrainError, bench_verdict
+    from drafter.retrain.verdict import RetrainError, bench_verdict
 
     def m(key, r, tp, al):
         return {"key": key, "batch_size": 1, "round": r, "output_tok_s": tp, "accept_length": al}

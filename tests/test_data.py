@@ -7,7 +7,7 @@ import json
 import pytest
 
 from drafter.config import DataSource
-from drafter.data import (BadLine, ReadStats, RowError, SourceError, iter_json_array, normalise_row,
+from drafter.prepare.sources import (BadLine, ReadStats, RowError, SourceError, iter_json_array, normalise_row,
                           read_source, source_identity, truncate_turns)
 
 ROWS = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i} ü"},

@@ -20,7 +20,7 @@ import pytest
 from drafter.config import (ConfigError, DataConfig, DatagenConfig, DataSource, LifecycleConfig,
                             ServeConfig, StorageConfig, TargetConfig, parse_config)
 from drafter.formats import iter_generations
-from drafter.openai_client import DatagenServerDown
+from drafter.serving.client import DatagenServerDown
 from drafter.stages import datagen, prepare
 from drafter.store import open_store
 

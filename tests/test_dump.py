@@ -15,13 +15,14 @@ import pytest
 import torch
 import yaml
 
-from drafter import capture
+from drafter.capture import backends, base
+from drafter.capture import hf as hf_capture
 from drafter.config import LAYER_ID_CONVENTION, ConfigError, parse_config
 from drafter.formats import DumpMismatch, iter_dump_samples, read_conversations
 from drafter.formats import hidden_state_shard_name as shard_name
 from drafter.stage_output import to_jsonl
 from drafter.stages import dump
-from drafter.shards import (FINAL_HIDDEN, HiddenStateShard, bytes_per_token, project_corpus,
+from drafter.capture.shards import (FINAL_HIDDEN, HiddenStateShard, bytes_per_token, project_corpus,
                             storage_projection, write_shard_file)
 from drafter.stage_output import StageOutput
 from drafter.store import CorruptObject, FileStore
@@ -100,7 +101,7 @@ def test_captured_states_equal_the_targets_hidden_states(any_store, tiny_target,
     for index in range(3):
         records = convs[index * 4:(index + 1) * 4][:10 - index * 4]
         tokens = [tokenize_conversation(tok, r["messages"], MAXLEN) for r in records]
-        for batch in capture.plan_batches([len(t[0]) for t in tokens], BUDGET):
+        for batch in base.plan_batches([len(t[0]) for t in tokens], BUDGET):
             seqs = [tokens[j][0] for j in batch]
             longest = max(map(len, seqs))
             padded_batches += len(set(map(len, seqs))) > 1
@@ -163,7 +164,7 @@ def test_manifest_meta_and_skip_without_model_load(tmp_path, tiny_target, convs,
     def no_model(*a, **k):
         raise AssertionError("a complete dump must not load the model")
 
-    monkeypatch.setattr(capture, "load_capture_model", no_model)
+    monkeypatch.setattr(hf_capture, "load_capture_model", no_model)
     again = run_dump(cfg, store, "prepare", fp, devices=["cpu", "cpu"])  # workers: not in the fingerprint
     assert again.skipped and again.manifest == first.manifest
     # What changes the bytes' meaning changes the fingerprint (a new output, never a stale one).
@@ -217,7 +218,7 @@ def test_nan_sample_is_quarantined_and_its_batch_mates_are_untouched(tmp_path, t
         store, run_dump(cfg, store, "prepare", fp).manifest, expect_aux_layer_ids=AUX)}
     victim = convs[5]
     victim_ids = torch.tensor(tokenize_conversation(tok, victim["messages"], MAXLEN)[0])
-    real_load = capture.load_capture_model
+    real_load = hf_capture.load_capture_model
 
     def load_with_nan(*args, **kwargs):
         cm = real_load(*args, **kwargs)
@@ -232,7 +233,7 @@ def test_nan_sample_is_quarantined_and_its_batch_mates_are_untouched(tmp_path, t
         cm.model.get_input_embeddings().register_forward_hook(poison)
         return cm
 
-    monkeypatch.setattr(capture, "load_capture_model", load_with_nan)
+    monkeypatch.setattr(hf_capture, "load_capture_model", load_with_nan)
     store2 = FileStore(tmp_path / "store2")
     put_prepared(store2, convs[:8])
     result = run_dump(cfg, store2, "prepare", fp)
@@ -400,7 +401,7 @@ def test_shard_file_roundtrip_views_and_determinism(tmp_path):
 
 
 def test_empty_shard_keeps_shapes(tmp_path):
-    from drafter.shards import ShardWriter
+    from drafter.capture.shards import ShardWriter
 
     path = ShardWriter().finish(tmp_path / "e.safetensors", empty_like={
         "input_ids": (torch.int64, ()), "loss_mask": (torch.uint8, ()),
@@ -410,7 +411,7 @@ def test_empty_shard_keeps_shapes(tmp_path):
 
 
 def test_a_failed_finish_removes_the_spool(tmp_path):
-    from drafter.shards import ShardWriter, write_shard_file
+    from drafter.capture.shards import ShardWriter, write_shard_file
 
     with pytest.raises(ValueError, match="empty_like"):
         ShardWriter(spool_dir=tmp_path).finish(tmp_path / "e.safetensors")

@@ -12,7 +12,7 @@ import pytest
 
 from drafter.config import StorageConfig
 from drafter.errors import exit_code
-from drafter.registry import Registry, RegistryError, list_registries
+from drafter.retrain.registry import Registry, RegistryError, list_registries
 from drafter.stage_output import StageOutput
 from drafter.store import FileStore, open_store
 from tests.test_inputs import drafter, profile
@@ -40,7 +40,7 @@ def registry_profile(tmp_path) -> str:
 _WRITER = r"""
 import json, os, sys, time
 from drafter.config import StorageConfig
-from drafter.registry import Registry
+from drafter.retrain.registry import Registry
 from drafter.store import open_store
 
 root, endpoint, export, go = sys.argv[1:5]
@@ -104,13 +104,13 @@ def test_concurrent_promotions_all_land(any_storage_config, tmp_path, request):
 
 
 def test_a_write_that_keeps_losing_fails_by_name(tmp_path, monkeypatch):
-    from drafter.registry import RegistryConflict
+    from drafter.retrain.registry import RegistryConflict
 
     store = FileStore(tmp_path / "store")
     reg = Registry(store, "t0", "demo")
     fake_export(store, "e1")
     monkeypatch.setattr(store, "put_if", lambda key, data, version: False)  # someone always wrote first
-    monkeypatch.setattr("drafter.registry._sleep", lambda s: None)
+    monkeypatch.setattr("drafter.retrain.registry._sleep", lambda s: None)
     with pytest.raises(RegistryConflict, match=r"changed by other writers .* 16 times") as err:
         reg.promote("e1", "why")
     assert err.value.retryable and exit_code(err.value) == 3

@@ -10,8 +10,8 @@ import torch
 
 from drafter.config import DataConfig, DataSource, LifecycleConfig, StorageConfig, TargetConfig, parse_config
 from drafter.formats import iter_dump_samples, iter_generations, load_prepared
-from drafter.registry import Registry, RegistryError
-from drafter.retrain import compare
+from drafter.retrain.registry import Registry, RegistryError
+from drafter.retrain.verdict import compare
 from drafter.stage_output import StageOutput, to_jsonl
 from drafter.stages import datagen, dump, prepare
 from drafter.store import CorruptObject, FileStore, open_store

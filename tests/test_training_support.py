@@ -11,7 +11,7 @@ import torch
 
 from drafter.config import parse_config
 from drafter.layers import LAYER_ID_CONVENTION
-from drafter.shards import write_shard_file
+from drafter.capture.shards import write_shard_file
 from drafter.stage_output import StageOutput
 
 H, V, LAYERS = 32, 97, 4

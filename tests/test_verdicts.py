@@ -6,7 +6,7 @@ from drafter.bench import BenchError
 from drafter.export.judge import JudgedTooLow
 from drafter.export.sglang import ExportCheckFailed
 from drafter.outputs import bench_verdict, champion_verdict, export_verdict
-from drafter.registry import RegistryError
+from drafter.retrain.registry import RegistryError
 from drafter.stage_output import StageResult
 from drafter.stages import TABLE
 from drafter.store import StoreError

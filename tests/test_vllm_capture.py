@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from drafter.config import parse_config
-from drafter.shards import TENSORS, HiddenStateShard
+from drafter.capture.shards import TENSORS, HiddenStateShard
 from drafter.stage_output import StageOutput, to_jsonl
 from drafter.stages import dump
 from drafter.store import FileStore

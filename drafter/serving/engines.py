@@ -215,7 +215,7 @@ def keep_secret_placeholders(arg: str) -> str:
 
 
 def _launch_env(cfg: LifecycleConfig) -> tuple[dict[str, str], dict[str, str]]:
-    from drafter.launch_env import launch_overrides
+    from drafter.serving.launch_env import launch_overrides
 
     overrides = launch_overrides(cfg.serve.env)
     return {**os.environ, **overrides}, overrides

@@ -35,7 +35,7 @@ from drafter.bench.stats import head_to_head, summarize
 from drafter.bench.sweep import FIXES, Sweep, failure_name, hardware
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.formats import EXPORT, PREPARE, load_prepared
-from drafter.registry import CHAMPION, Registry
+from drafter.retrain.registry import CHAMPION, Registry
 from drafter.stages import serve as serve_stage
 from drafter.stage_output import Progress, StageOutput, StageResult
 from drafter.stage_output import fingerprint as stage_fingerprint

@@ -4,7 +4,7 @@ Upstream: {"export": fp, "prepare": fp} (+ "bench": fp with `retrain.bench`). Th
 the one the challenger faces (Registry.opponent: the current champion, or the one the challenger
 replaced when it already is the champion, so a re-run skips). Both drafters are judged offline on the same held-out
 prompts of this run's corpus (the eval split, `export.eval_prompts`, `export.judge_num_steps`,
-`export.judge_max_new_tokens`, greedy), in this run; the verdict (drafter.retrain.compare) promotes
+`export.judge_max_new_tokens`, greedy), in this run; the verdict (drafter.retrain.verdict.compare) promotes
 the challenger only when it is better by `retrain.min_improvement` with the interval of the
 difference above zero. Without a champion the challenger is promoted: it passed the export gate
 (the export stage commits only a drafter whose judgement passed). A challenger that already is the
@@ -13,7 +13,7 @@ champion leaves everything unchanged.
 Output (`champion/<fingerprint>/`): `decision.json` (the verdict and its figures),
 `judge-champion.json` / `judge-challenger.json` (the two judgements, per prompt) and
 `accept-length.png` (accept length across every retrain of this drafter). The registry
-(drafter.registry) is updated BEFORE the commit: a crash in between re-runs as "unchanged".
+(drafter.retrain.registry) is updated BEFORE the commit: a crash in between re-runs as "unchanged".
 The fingerprint names the pair (challenger, the champion it faces) and the bench, so a re-run of
 the same retrain skips, and so does one after a rollback (the rolled-back challenger is not
 promoted again by re-running; the summary reads the registry's champion now).
@@ -30,8 +30,8 @@ from drafter.formats import CHAMPION as STAGE
 from drafter.formats import CHAMPION_DECISION as DECISION
 from drafter.formats import CHAMPION_PLOT as PLOT
 from drafter.formats import BENCH, BENCH_REPORT, EXPORT, PREPARE, download_export
-from drafter.registry import Registry
-from drafter.retrain import bench_verdict, compare, plot_decisions
+from drafter.retrain.registry import Registry
+from drafter.retrain.verdict import bench_verdict, compare, plot_decisions
 from drafter.stage_output import Progress, StageOutput, StageResult, guarded_progress
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore, open_store

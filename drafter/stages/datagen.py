@@ -18,7 +18,7 @@ so a killed run resumes at the shards without a verified `gen-i` of the same pla
 duplicates or drops a sample.
 `errors-i` is written before `gen-i`: `gen-i` is the shard's "done" mark.
 
-Incremental (drafter.reuse): earlier outputs for the same target and settings are looked up; their
+Incremental (drafter.retrain.reuse): earlier outputs for the same target and settings are looked up; their
 shards whose conversations are all still in the corpus are referenced whole, answers in their other
 shards are copied, and only the remaining conversations are sent to the target (in new shards after
 the referenced ones). `conversation-keys.jsonl` lists each shard's conversation keys for later runs.
@@ -50,11 +50,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Coroutine, TypeVar
 
-from drafter import reuse
+from drafter.retrain import reuse
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.formats import DATAGEN as STAGE
 from drafter.formats import PREPARE, SPLITS, error_shard_name, gen_shard_name, load_prepared, split_prefix
-from drafter.openai_client import ChatClient, DatagenServerDown, RequestFailed, ServerPool
+from drafter.serving.client import ChatClient, DatagenServerDown, RequestFailed, ServerPool
 from drafter.serving.session import ServerSession
 from drafter.stage_output import EmptyOutput, Progress, ShardInfo, StageOutput, StageResult, guarded_progress, to_jsonl
 from drafter.stage_output import fingerprint as stage_fingerprint
@@ -105,7 +105,7 @@ class _Shard:
     errors: list[dict | None] = field(default_factory=list)
     remaining: int = 0
     saved: bool = False
-    digest: str = ""               # drafter.reuse.digest of the conversations' keys (resume check)
+    digest: str = ""               # drafter.retrain.reuse.digest of the conversations' keys (resume check)
 
     def __post_init__(self) -> None:
         self.records = [None] * len(self.conversations)

@@ -1,6 +1,6 @@
 """The `dump` stage: conversations -> the target's hidden states, as shards in object storage.
 
-Output (`dump/<fingerprint>/`): `hs-00000.safetensors`, ... (format: drafter.shards) and a manifest
+Output (`dump/<fingerprint>/`): `hs-00000.safetensors`, ... (format: drafter.capture.shards) and a manifest
 whose meta records what a reader must agree with: target fingerprint, tokenizer and chat-template
 hashes, dtype, `aux_layer_ids` + `layer_id_convention`, hidden size, counts, bytes per token, the
 storage projection and the quarantined samples.
@@ -11,7 +11,7 @@ piece i, minus quarantined ones (bad record, template error, no assistant token,
 the batches are a pure function of the token lengths and dump.tokens_per_batch, so a resumed run
 recomputes only the shards that were not verified yet, with the same float operations: the files
 are byte-identical to an uninterrupted run's (tested on CPU; seen on 2 x H200 for the same GPU
-model, see capture.warm_up_device).
+model, see hf.warm_up_device).
 
 Tokens: a datagen record whose answers carry `token_ids` (the ids the engine generated) is fed
 exactly those ids after the template's prompt for each turn; a record without them (older
@@ -27,7 +27,7 @@ mean, and re-dumping terabytes because a resume runs on other GPUs would be the 
 shard's marker records the device and tokens_per_batch that computed it. (The fields declare this
 themselves: OperationalField in drafter.config.)
 
-Incremental (drafter.reuse): each shard's marker records the digest of the records it was computed
+Incremental (drafter.retrain.reuse): each shard's marker records the digest of the records it was computed
 from; a piece that an earlier dump of the same target and settings already computed is referenced
 from that dump, not recomputed, so a retrain on a grown corpus computes only the new pieces.
 
@@ -37,10 +37,10 @@ convention differ from what it expects.
 Workers: one thread per device, each owning every n-th pending shard with its own model copy; per
 device a tokenizer thread works a shard ahead and upload threads behind a bounded queue stream
 finished shards to the store, so the device computes while earlier shards are copied, hashed and
-written (drafter.dump_pipeline).
+written (drafter.capture.pipeline).
 
 Storage: `dump.storage_dtype: model` stores the states in the capture dtype (format_version 1);
-`float8_e4m3` stores them in fp8 with a float32 scale per token and state (drafter.fp8, ~half the
+`float8_e4m3` stores them in fp8 with a float32 scale per token and state (drafter.capture.fp8, ~half the
 bytes, format_version 2), encoded on the device; readers decode to the capture dtype.
 """
 from __future__ import annotations
@@ -59,7 +59,10 @@ from pathlib import Path
 
 import torch
 
-from drafter import capture, dump_pipeline, fp8, prefetch, reuse
+from drafter import prefetch
+from drafter.capture import backends, base, fp8, hf
+from drafter.capture import pipeline as dump_pipeline
+from drafter.retrain import reuse
 from drafter.config import LAYER_ID_CONVENTION, ConfigError, LifecycleConfig, fingerprint_fields
 from drafter.dtypes import dtype_name
 from drafter.errors import DrafterError
@@ -67,7 +70,7 @@ from drafter.formats import DATAGEN, PREPARE, SPLITS, split_prefix
 from drafter.formats import DUMP as STAGE
 from drafter.formats import hidden_state_shard_name as shard_name
 from drafter.layers import check_aux_layer_ids
-from drafter.shards import (FINAL_HIDDEN, FORMAT, NUM_AUX, ShardWriter, bytes_per_token, format_version,
+from drafter.capture.shards import (FINAL_HIDDEN, FORMAT, NUM_AUX, ShardWriter, bytes_per_token, format_version,
                             storage_label, storage_projection)
 from drafter.stage_output import Progress, ShardInfo, StageOutput, StageResult, guarded_progress
 from drafter.stage_output import fingerprint as stage_fingerprint
@@ -100,7 +103,7 @@ class DumpPlan:
     @property
     def settings(self) -> dict:
         """Everything that determines the bytes except the upstream (outputs with equal settings
-        can share shards computed from equal records: drafter.reuse)."""
+        can share shards computed from equal records: drafter.retrain.reuse)."""
         dump = fingerprint_fields(self.cfg.dump)
         del dump["aux_layer_ids"], dump["dtype"]  # in their resolved form below
         storage = dump.pop("storage_dtype")  # the default leaves earlier dumps' fingerprints as they were
@@ -127,7 +130,7 @@ def plan_dump(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> DumpPlan:
     upstream_fingerprint = upstream[upstream_stage]
     try:
         # backend vllm: one worker; vLLM places the target itself (dump.tp_size GPUs), tensors come back on the CPU
-        devs = capture.resolve_devices(cfg.dump.devices) if cfg.dump.backend == "hf" else [torch.device("cpu")]
+        devs = base.resolve_devices(cfg.dump.devices) if cfg.dump.backend == "hf" else [torch.device("cpu")]
     except ValueError as e:
         raise ConfigError([("dump.devices", str(e))]) from None
     shape = cfg.target.resolved_shape()
@@ -141,7 +144,7 @@ def plan_dump(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> DumpPlan:
         raise ConfigError([("dump.aux_layer_ids", str(e))]) from None
     tok = AutoTokenizer.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
     return DumpPlan(cfg=cfg, upstream_stage=upstream_stage, upstream_fingerprint=upstream_fingerprint,
-                    devices=devs, dtype=capture.resolve_dtype(
+                    devices=devs, dtype=base.resolve_dtype(
                         cfg.dump.dtype, cfg.target.dtype,
                         torch.device("cuda") if cfg.dump.backend == "vllm" and torch.cuda.is_available() else devs[0]),
                     aux_layer_ids=ids, num_layers=num_layers, hidden_size=hidden, tokenizer=tok,
@@ -180,7 +183,7 @@ class TokenizedShard:
     samples: list[tuple[str, list[int], list[int]]]
     quarantined: list[dict]
     truncated: int
-    input_digest: str = ""  # drafter.reuse.records_digest of the records (what a later dump can reference)
+    input_digest: str = ""  # drafter.retrain.reuse.records_digest of the records (what a later dump can reference)
     from_token_ids: int = 0  # samples built from the engine's recorded ids (the others re-tokenised)
 
 
@@ -252,7 +255,7 @@ class ShardBuild:
     """A shard being captured: batches are settled (copy awaited, non-finite samples quarantined,
     the rest added to the writer) in plan order, so its bytes do not depend on the pipelining."""
 
-    def __init__(self, cm: capture.CaptureModel, plan: DumpPlan, tok: TokenizedShard, spool_dir: Path | None):
+    def __init__(self, cm: hf.CaptureModel, plan: DumpPlan, tok: TokenizedShard, spool_dir: Path | None):
         dump = plan.cfg.dump
         self.tok, self.plan, self.cm = tok, plan, cm
         self.name = shard_name(tok.index, tok.split)
@@ -261,7 +264,7 @@ class ShardBuild:
         if self.fp8:
             metadata["dtype"] = dtype_name(plan.dtype)  # what the fp8 states decode to
         self.writer = ShardWriter(spool_dir, metadata=metadata)
-        self.batches = capture.plan_batches([len(s[1]) for s in tok.samples], dump.tokens_per_batch)
+        self.batches = base.plan_batches([len(s[1]) for s in tok.samples], dump.tokens_per_batch)
         self.settled = self.loss_tokens = 0
 
     @property
@@ -306,11 +309,11 @@ def _worker(plan: DumpPlan, device: torch.device, jobs: list[tuple[str, int]],
             out: StageOutput, spool: Path | None, on_done: Callable[[str], None], stop: threading.Event) -> None:
     """One device: tokenise ahead (thread), capture batch after batch, settle each batch once the
     next one is queued on the device, hand finished shards to the upload threads."""
-    cm = capture.open_capture(plan.cfg, device, plan.dtype, plan.aux_layer_ids)  # hf or vllm (dump.backend)
+    cm = backends.open_capture(plan.cfg, device, plan.dtype, plan.aux_layer_ids)  # hf or vllm (dump.backend)
     try:
         _capture_shards(plan, cm, device, jobs, records, out, spool, on_done, stop)
     finally:
-        capture.close_capture(cm)
+        backends.close_capture(cm)
 
 
 def _capture_shards(plan: DumpPlan, cm, device: torch.device, jobs: list[tuple[str, int]],
@@ -340,7 +343,7 @@ def _capture_shards(plan: DumpPlan, cm, device: torch.device, jobs: list[tuple[s
                 if build.complete:  # every sample quarantined before capture
                     uploader.put(build.name, build.writer, build.meta(), build.empty_like())
                 for batch in build.batches:
-                    captured = capture.capture_batch(cm, [tok.samples[j][1] for j in batch])
+                    captured = backends.capture_batch(cm, [tok.samples[j][1] for j in batch])
                     in_flight.append((build, batch, to_host(captured)))
                     del captured
                     settle(keep=1)  # the batch before this one: its copy ran behind this forward
@@ -412,7 +415,7 @@ def _run_workers(plan: DumpPlan, out: StageOutput, pending: list[tuple[str, int]
         # many times slower than one pool (measured 13x on 2 cores).
         torch.set_num_threads(max(1, threads_before // len(devices)))
     for device in devices:
-        capture.warm_up_device(device, plan.dtype)
+        hf.warm_up_device(device, plan.dtype)
     try:
         if len(devices) == 1:  # no thread: tracebacks and debuggers stay simple
             run(0, devices[0])

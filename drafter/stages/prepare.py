@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from drafter.config import DataConfig, LifecycleConfig, fingerprint_fields
-from drafter.data import ReadStats, RowError, normalise_row, read_source, source_identity, truncate_turns
+from drafter.prepare.sources import ReadStats, RowError, normalise_row, read_source, source_identity, truncate_turns
 from drafter.formats import PREPARE as STAGE
 from drafter.formats import SPLITS, split_file
 from drafter.hashing import sha256_hex

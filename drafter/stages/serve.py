@@ -16,7 +16,7 @@ from pathlib import Path
 
 from drafter.config import LifecycleConfig
 from drafter.formats import EXPORT, download_export
-from drafter.registry import CHAMPION, Registry
+from drafter.retrain.registry import CHAMPION, Registry
 from drafter.serving.check import check_server
 from drafter.stage_output import Progress, StageResult
 from drafter.store import ObjectStore

@@ -32,10 +32,10 @@ from pathlib import Path
 
 from drafter.config import LifecycleConfig, fingerprint_fields, parse_config
 from drafter.formats import DUMP, TRAIN_CURVES, TRAIN_METRICS, TRAINED_DRAFTER_FILES, download_export
-from drafter.registry import CHAMPION
+from drafter.retrain.registry import CHAMPION
 from drafter.formats import TRAIN as STAGE
 from drafter.hashing import hash_file, short_hash
-from drafter.launch_env import launch_overrides
+from drafter.serving.launch_env import launch_overrides
 from drafter.stage_output import Progress, StageOutput, StageResult
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.store import ObjectStore, open_store
@@ -69,7 +69,7 @@ def _init_from_identity(path: str | None) -> str | None:
 def _champion(cfg: LifecycleConfig, store: ObjectStore | None = None) -> str | None:
     """`train.init_from: champion`: the registry's champion export now (None: none yet, so the
     first retrain trains from scratch)."""
-    from drafter.registry import Registry
+    from drafter.retrain.registry import Registry
 
     return Registry.for_config(cfg, store or open_store(cfg.storage)).champion_export()
 

@@ -38,7 +38,7 @@ import torch
 
 # The two imports of the dump format (repoint here if the format module moves).
 from drafter.formats import DumpMismatch, check_dump_manifest, shards_of_split
-from drafter.shards import HiddenStateShard, decode_states
+from drafter.capture.shards import HiddenStateShard, decode_states
 from drafter.hashing import hash_file
 from drafter.layers import LAYER_ID_CONVENTION
 from drafter.prefetch import Prefetch

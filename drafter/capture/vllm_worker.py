@@ -1,4 +1,4 @@
-"""Runs INSIDE the vLLM environment (serve.python / dump.python), started by drafter.capture_vllm.
+"""Runs INSIDE the vLLM environment (serve.python / dump.python), started by drafter.capture.vllm.
 
 Imports only the standard library, torch, safetensors and vllm: it is run as a script by the vLLM
 interpreter, where the drafter package is not installed. Protocol: one JSON request per line on

@@ -3,9 +3,9 @@ over several GPUs (`dump.tp_size`; the field notes' 1T model needs 8 per copy), 
 hidden states through its `extract_hidden_states` speculative method and a KV-transfer connector.
 
 vLLM lives in its own environment (`dump.python`, else `serve.python`): a worker process
-(drafter/vllm_capture_worker.py, run by that interpreter) keeps one `vllm.LLM` loaded for the whole
+(drafter/capture/vllm_worker.py, run by that interpreter) keeps one `vllm.LLM` loaded for the whole
 dump and answers batches over a pipe. What comes back is put into OUR form here, so the shards are
-those of the `hf` backend (drafter.capture.capture_batch):
+those of the `hf` backend (drafter.capture.hf.capture_batch):
 - layer ids: ours converted with drafter.layers.engine_layer_ids (vLLM id = ours + 1), plus id N
   (the last layer's output, which vLLM returns BEFORE the final norm);
 - the final hidden state: that output through the target's own final RMSNorm (weight and eps read
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from drafter.capture import CaptureShape
+from drafter.capture.base import CaptureShape
 from drafter.dtypes import dtype_name
 from drafter.errors import DrafterError
 from drafter.layers import check_aux_layer_ids, engine_layer_ids
 
-WORKER = Path(__file__).with_name("vllm_capture_worker.py")
+WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
 class VLLMCaptureError(DrafterError):
@@ -91,7 +91,7 @@ class VLLMCaptureModel(CaptureShape):
         return json.loads(line)
 
     def capture_batch(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per sequence: (aux [T, 3, H], final [T, H]) on the CPU, as drafter.capture.capture_batch."""
+        """Per sequence: (aux [T, 3, H], final [T, H]) on the CPU, as drafter.capture.hf.capture_batch."""
         from safetensors.torch import load_file
 
         with self._lock:
@@ -160,7 +160,7 @@ def load_vllm_capture(cfg, dtype: torch.dtype, aux_layer_ids: list[int], work_ro
     work = Path(tempfile.mkdtemp(prefix="drafter-vllm-capture-", dir=work_root))
     log_path = work / "worker.log"
     read_fd, write_fd = os.pipe()
-    # Run through runpy, not as `python drafter/vllm_capture_worker.py`: a script's directory goes first on
+    # Run through runpy, not as `python drafter/capture/vllm_worker.py`: a script's directory goes first on
     # sys.path, and drafter/tokenize.py would shadow the standard library's tokenize in the vLLM process.
     run_script = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     argv = [python, "-c", run_script, str(WORKER), "--model", t.path, "--layer-ids", json.dumps(layer_ids),

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter import fp8
+from drafter.capture import fp8
 from drafter.prefetch import thread
-from drafter.shards import ShardWriter
+from drafter.capture.shards import ShardWriter
 from drafter.stage_output import StageOutput
 
 

@@ -1,5 +1,6 @@
-"""Run the target over token sequences and capture, per token, what EAGLE-3 trains on: the outputs
-of the three aux layers and the final hidden state (after the final norm, the input of lm_head).
+"""The `hf` capture backend: run the target (transformers) over token sequences and capture, per
+token, what EAGLE-3 trains on: the outputs of the three aux layers and the final hidden state
+(after the final norm, the input of lm_head).
 
 Layer ids follow drafter.config.LAYER_ID_CONVENTION (id i = output of decoder layer i = Hugging
 Face `hidden_states[i + 1]`); loading and the range check are drafter.target's, so the serving
@@ -12,47 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter import dtypes
+from drafter.capture.base import CaptureShape
 from drafter.layers import check_aux_layer_ids
-from drafter.target import HFTarget, aux_from_hidden_states, resolve_device
-
-
-def resolve_dtype(dump_dtype: str, target_dtype: str, device: torch.device) -> torch.dtype:
-    """The first explicit setting of dump.dtype, target.dtype; else float32 on CPU (half precision
-    is slow there and tests compare exactly) and bfloat16 on GPU (half the bytes, what SpecForge
-    stores)."""
-    return dtypes.resolve_dtype([dump_dtype, target_dtype], device)
-
-
-def resolve_devices(devices: list[str]) -> list[torch.device]:
-    """'auto' = every visible GPU (one worker each), else the CPU. One device type per run: the
-    dtype (and so the fingerprint) must not depend on which worker computed a shard."""
-    out: list[torch.device] = []
-    for d in devices:
-        if d == "auto":
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            out += [torch.device(f"cuda:{i}") for i in range(n)] or [torch.device("cpu")]
-        else:
-            out.append(resolve_device(d))
-    if not out:
-        raise ValueError("no devices given")
-    if len({d.type for d in out}) > 1:
-        raise ValueError(f"devices {[str(d) for d in out]} mix device types; use one type per run")
-    return out
-
-
-@dataclass
-class CaptureShape:
-    """What every capture backend's model carries; the dump reads these (hf: CaptureModel below,
-    vllm: drafter.capture_vllm.VLLMCaptureModel)."""
-
-    tokenizer: object           # hf: this worker's own copy, HF fast tokenizers are not thread-safe
-    device: torch.device
-    dtype: torch.dtype
-    aux_layer_ids: list[int]
-    num_layers: int
-    hidden_size: int
-    pad_id: int
+from drafter.target import HFTarget, aux_from_hidden_states
 
 
 @dataclass
@@ -63,21 +26,6 @@ class CaptureModel(CaptureShape):
 # transformers' from_pretrained is not thread-safe (its meta-device init patches torch globally:
 # two concurrent loads failed with "Cannot copy out of meta tensor" on 2 GPUs): one load at a time.
 _LOAD_LOCK = threading.Lock()
-
-
-def open_capture(cfg, device: torch.device, dtype: torch.dtype, aux_layer_ids: list[int]):
-    """The capture model of `dump.backend`: transformers on `device` (hf), or a vLLM worker (vllm).
-    Close it with `close_capture`."""
-    if cfg.dump.backend == "vllm":
-        from drafter.capture_vllm import load_vllm_capture
-
-        return load_vllm_capture(cfg, dtype, aux_layer_ids, work_root=cfg.dump.spool_dir)
-    return load_capture_model(cfg.target.path, device, dtype, aux_layer_ids, cfg.target.trust_remote_code)
-
-
-def close_capture(cm) -> None:
-    if hasattr(cm, "close"):
-        cm.close()
 
 
 def load_capture_model(model_path: str, device: torch.device, dtype: torch.dtype,
@@ -106,21 +54,6 @@ def warm_up_device(device: torch.device, dtype: torch.dtype) -> None:
     torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().item()
 
 
-def plan_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
-    """Indices grouped into batches whose padded size (count x longest) fits the token budget.
-    Longest first, so each batch holds similar lengths (little padding); ties keep input order, so
-    the plan is a pure function of the lengths: a resumed shard gets the same batches, hence the
-    same floats. A sequence longer than the budget runs alone."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= tokens_per_batch:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
 @torch.inference_mode()
 def capture_batch(cm: CaptureModel, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence: (aux [T, 3, H], final [T, H]) on the model's device, padding removed.
@@ -129,8 +62,6 @@ def capture_batch(cm: CaptureModel, sequences: list[list[int]]) -> list[tuple[to
     pads after it, so its states equal an unpadded run's up to float rounding of the longer kernels,
     and SDPA keeps its is_causal fast path. The decoder runs without lm_head (no logits needed).
     """
-    if not isinstance(cm, CaptureModel):  # another backend (drafter.capture_vllm) brings its own
-        return cm.capture_batch(sequences)
     longest = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), longest), cm.pad_id, dtype=torch.long)
     for row, seq in enumerate(sequences):

@@ -1,0 +1,1 @@
+"""The prompt corpus: sources (files, datasets, ShareGPT) normalised to one conversation shape."""
