@@ -69,7 +69,7 @@ def this_run_owns_its_servers():
     it belongs to) in their pid files, so the hooks below reap only this run's servers."""
     from prefect.runtime import flow_run
 
-    from drafter.serving.launcher import owned_by
+    from drafter.serving.ownership import owned_by
 
     try:
         root = flow_run.root_flow_run_id
@@ -86,7 +86,7 @@ def reap_left_servers(flow, flow_run, state) -> None:
     from pathlib import Path
 
     from drafter.config import LifecycleConfig, load_config
-    from drafter.serving.launcher import owns, reap
+    from drafter.serving.ownership import owns, reap
 
     params = flow_run.parameters or {}
     config = params.get("config") or params.get("cfg")

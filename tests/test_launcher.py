@@ -24,8 +24,9 @@ from drafter.serving.check import check_server, serve_forever
 from drafter.serving.engines import LaunchSpec, check_speculative_settings, make_engine
 from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.gate import wait_until_ready
-from drafter.serving.launcher import (
-    ServerProcess, group_members, launch, parse_compute_apps, pid_file, port_free, preflight)
+from drafter.serving.host import parse_compute_apps, port_free
+from drafter.serving.launcher import ServerProcess, launch, preflight
+from drafter.serving.ownership import group_members, pid_file
 from tests.fixtures.net import free_port
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_server.py"

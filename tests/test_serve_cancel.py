@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from drafter.serving.launcher import group_members
+from drafter.serving.ownership import group_members
 from tasks.common import reap_left_servers
 from tests.fixtures.net import free_port
 
@@ -32,7 +32,7 @@ def start_checker(tmp_path, run_id: str = "run-A") -> subprocess.Popen:
     """A process running check_server, as flow run `run_id`, against a server that hangs in
     CUDA-graph capture."""
     code = ("import json,sys; from drafter.config import parse_config; "
-            "from drafter.serving.check import check_server; from drafter.serving.launcher import owned_by\n"
+            "from drafter.serving.check import check_server; from drafter.serving.ownership import owned_by\n"
             f"with owned_by(kind='prefect', flow_run_id={run_id!r}):\n"
             "    check_server(parse_config(json.loads(sys.argv[1])))")
     return subprocess.Popen([sys.executable, "-c", code, json.dumps(hanging_server_config(tmp_path))],

@@ -17,7 +17,7 @@ import pytest
 from drafter.config import parse_config
 from drafter.serving.engines import check_speculative_settings, counters_delta, make_engine
 from drafter.serving.errors import ServerConfigError, ServerCrashed, ServerStalled
-from drafter.serving.launcher import group_members
+from drafter.serving.ownership import group_members
 from drafter.serving.session import ServerSession
 from tests.fixtures.layered import AUX, export_pair, layered_pair  # noqa: F401  (fixture)
 from tests.fixtures.net import free_port

@@ -37,7 +37,7 @@ from drafter.bench.measure import ClientApi, MeasurementError, Prompt, measure
 from drafter.bench.plan import FLUSH_CACHE, SGLANG_API, STREAMING, ServerPlan, SweepPlan, server_config
 from drafter.config import LifecycleConfig
 from drafter.serving.errors import ServerConfigError, ServerStartError
-from drafter.serving.launcher import port_free
+from drafter.serving.host import port_free
 from drafter.serving.session import ServedServer, ServerSession
 from drafter.stage_output import Progress, StageOutput, guarded_progress
 

@@ -9,35 +9,35 @@
 - `ServerProcess.stop` SIGTERMs the whole group, SIGKILLs what is left, and then VERIFIES:
   no process of the group/session, the port free again, GPU memory back near where it was
   (field note 1: one GPU kept 76 GB after kill -9).
+
+Pid files, run ownership and reaping are drafter.serving.ownership; port and GPU state are
+drafter.serving.host. `python -m drafter.serving.launcher reap PIDFILE` stays here for shells and hooks.
 """
 from __future__ import annotations
 
 import collections
-import contextvars
 import datetime as dt
-import hashlib
-import errno
 import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 from drafter.config import LifecycleConfig
 from drafter.secrets import Redactor, mask_argv, mask_env, secret_values
 from drafter.serving import procs
 from drafter.serving.engines import Engine, LaunchSpec
 from drafter.serving.errors import ServerConfigError, TeardownError
+from drafter.serving.host import gpu_state, port_free
+from drafter.serving.ownership import (TeardownReport, argv_digest, current_owner, pid_file, port_in_use, reap,
+                                       verify_released)
 
 OnLine = Callable[[str], None]
 
@@ -69,132 +69,11 @@ def launch_file(log_path: str | os.PathLike) -> Path:
     return p.with_name(p.stem + ".launch.json")
 
 
-def pid_file(log_path: str | os.PathLike) -> Path:
-    p = Path(log_path)
-    return p.with_name(p.stem + ".pid.json")
-
-
 def _now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-# --------------------------------------------------------------------------------------------
-# The server's processes (drafter.serving.procs) and the run that owns them
-# --------------------------------------------------------------------------------------------
-
-_start_ticks = procs.start_ticks
-
-
-def group_members(pgid: int, sid: int | None = None, tag: str | None = None) -> list[int]:
-    """Live processes of a server: its group, its session, or carrying its tag (procs.members)."""
-    return procs.members(pgid, sid, tag)
-
-
-# Who launched the servers started in this context: the Prefect tasks set the flow run
-# (`owned_by`), so the flows' hooks reap only their own run's servers; otherwise this process.
-_owner: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("drafter_run_owner", default=None)
-
-
-@contextmanager
-def owned_by(**owner: Any) -> Iterator[None]:
-    token = _owner.set({k: (str(v) if v is not None else None) for k, v in owner.items()})
-    try:
-        yield
-    finally:
-        _owner.reset(token)
-
-
-def current_owner() -> dict[str, Any]:
-    return _owner.get() or {"kind": "process", "pid": str(os.getpid())}
-
-
-def owns(owner: Mapping[str, Any] | None, run_id: str) -> bool:
-    """Does the run `run_id` own a server whose pid file records `owner`? (a stage's subflow run,
-    or the lifecycle run it belongs to)."""
-    owner = owner or {}
-    return run_id in (owner.get("flow_run_id"), owner.get("root_flow_run_id"))
-
-
-# --------------------------------------------------------------------------------------------
-# Ports and GPUs
-# --------------------------------------------------------------------------------------------
-
-def port_free(host: str, port: int) -> bool:
-    """Can a server bind host:port? SO_REUSEADDR like uvicorn, so TIME_WAIT does not count."""
-    bind_host = host.strip("[]") or "0.0.0.0"
-    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((bind_host, port))
-        except OSError as err:
-            if err.errno in (errno.EADDRINUSE, errno.EACCES):
-                return False
-            raise
-    return True
-
-
-def _nvidia_smi(*query: str, timeout: float = 20.0) -> str | None:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        res = subprocess.run([exe, *query, "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return res.stdout if res.returncode == 0 else None
-
-
-def _mib(text: str) -> float | None:
-    text = text.strip().removesuffix("MiB").strip()
-    try:
-        return float(text)
-    except ValueError:  # "[N/A]" on some drivers
-        return None
-
-
-def parse_compute_apps(text: str) -> list[dict[str, Any]]:
-    """Rows of `nvidia-smi --query-compute-apps=pid,used_memory[,gpu_uuid] --format=csv,noheader`."""
-    rows = []
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 2 or not parts[0].isdigit():
-            continue
-        rows.append({"pid": int(parts[0]), "used_mib": _mib(parts[1]),
-                     "gpu_uuid": parts[2] if len(parts) > 2 else None})
-    return rows
-
-
-def parse_gpu_memory(text: str) -> dict[str, dict[str, Any]]:
-    """`--query-gpu=index,uuid,memory.used` -> {index: {"uuid", "used_mib"}}."""
-    out = {}
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 3 and parts[0].isdigit():
-            out[parts[0]] = {"uuid": parts[1], "used_mib": _mib(parts[2])}
-    return out
-
-
-def _visible_gpus(env: Mapping[str, str], gpus: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The GPUs the server will see (CUDA_VISIBLE_DEVICES holds indices or UUIDs)."""
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is None or visible.strip() == "":
-        return gpus if visible is None else {}
-    wanted = {v.strip() for v in visible.split(",") if v.strip()}
-    return {i: g for i, g in gpus.items() if i in wanted or g["uuid"] in wanted}
-
-
-def gpu_state(env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
-    """Memory per visible GPU and the compute processes on them; None without nvidia-smi."""
-    mem = _nvidia_smi("--query-gpu=index,uuid,memory.used")
-    if mem is None:
-        return None
-    gpus = _visible_gpus(env if env is not None else os.environ, parse_gpu_memory(mem))
-    uuids = {g["uuid"] for g in gpus.values()}
-    apps_text = _nvidia_smi("--query-compute-apps=pid,used_memory,gpu_uuid") or ""
-    apps = [a for a in parse_compute_apps(apps_text) if a["gpu_uuid"] is None or a["gpu_uuid"] in uuids]
-    return {"gpus": gpus, "apps": apps}
+_start_ticks = procs.start_ticks  # recorded in the pid file
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,77 +114,6 @@ def _python_module_missing(spec: LaunchSpec) -> str | None:
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"cannot run {argv[0]}: {err}"
     return None if res.returncode == 0 else f"python module {argv[2]!r} not found for {argv[0]}"
-
-
-def port_in_use(spec: LaunchSpec) -> str:
-    """Say who holds the port: one of our servers (its pid file, its run, how to reap it) or
-    another process (its pid and command line, where /proc shows them)."""
-    msg = f"port {spec.port} on {spec.host} is already in use"
-    for path, info in _pid_files(spec.log_dir, spec.port):
-        if procs.alive(info.get("pid"), info.get("start_ticks")):
-            return (f"{msg} by our {info.get('engine')} server pid {info['pid']}, launched by "
-                    f"{_owner_text(info)} (pid file {path}; stop it with "
-                    f"`python -m drafter.serving.launcher reap {path}`)")
-    holders = procs.port_holders(spec.port)
-    if holders:
-        return f"{msg} by " + ", ".join(procs.describe_pid(p) for p in holders)
-    return f"{msg} (by a process of another user, or outside this machine's /proc)"
-
-
-def _owner_text(info: Mapping[str, Any]) -> str:
-    owner = info.get("owner") or {}
-    if owner.get("flow_run_id"):
-        return f"flow run {owner['flow_run_id']}"
-    running = procs.alive(info.get("launcher_pid"), info.get("launcher_start_ticks"))
-    return f"pid {info.get('launcher_pid')} ({'running' if running else 'gone'})"
-
-
-def _pid_files(log_dir: str | os.PathLike | None, port: int | None = None) -> list[tuple[Path, dict]]:
-    """Our pid files in `log_dir` (for `port` only, if given), parsed; unreadable ones skipped."""
-    out = []
-    for path in sorted(Path(log_dir or ".").glob("*.pid.json")):
-        try:
-            info = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if port is None or info.get("port") == port:
-            out.append((path, info))
-    return out
-
-
-def _argv_digest(argv: list[str]) -> str:
-    return hashlib.sha256("\0".join(argv).encode("utf-8", "surrogateescape")).hexdigest()
-
-
-def really_ours(info: Mapping[str, Any]) -> bool:
-    """Is the process a pid file names still the one we launched: same pid, same start time,
-    same command line? (a pid the kernel handed to someone else is never touched)."""
-    pid = info.get("pid")
-    if not procs.alive(pid, info.get("start_ticks")) or info.get("start_ticks") is None:
-        return False
-    argv = procs.cmdline(pid)
-    return argv is not None and _argv_digest(argv) == info.get("argv_sha256")
-
-
-def reap_stale(log_dir: str | os.PathLike | None, port: int) -> list[str]:
-    """Before a launch on `port`: pid files of ours whose launcher is gone. A server that is still
-    really ours (pid + start time + command line) is reaped; a file whose server is gone is
-    removed. A server whose launcher still runs is left alone (preflight names it). Returns what
-    was done, one line each."""
-    notes = []
-    for path, info in _pid_files(log_dir, port):
-        if procs.alive(info.get("launcher_pid"), info.get("launcher_start_ticks")):
-            continue
-        if really_ours(info):
-            result = reap(path)
-            notes.append(f"reaped a server left by a dead run on port {port}: pid {info['pid']} "
-                         f"({_owner_text(info)}), pid file {path}"
-                         + ("" if result.get("problems") is None or not result["problems"]
-                            else f"; problems: {'; '.join(result['problems'])}"))
-        elif not procs.alive(info.get("pid"), info.get("start_ticks")):
-            path.unlink(missing_ok=True)
-            notes.append(f"removed a stale pid file (server pid {info.get('pid')} gone): {path}")
-    return notes
 
 
 def _not_a_drafter(path: Path) -> str | None:
@@ -383,24 +191,6 @@ def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_
 # --------------------------------------------------------------------------------------------
 # The server process
 # --------------------------------------------------------------------------------------------
-
-@dataclass
-class TeardownReport:
-    signals: list[str] = field(default_factory=list)
-    exit_code: int | None = None
-    remaining_pids: list[int] = field(default_factory=list)
-    port_released: bool | None = None
-    gpu_released: bool | None = None     # None: not measurable (no nvidia-smi)
-    problems: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def launch_record(spec: LaunchSpec, base_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The launch as saved with the run: argv, env diff against our own environment, cwd."""
@@ -487,7 +277,7 @@ class ServerProcess:
             write_private(self.pid_path, json.dumps({
                 "pid": self.proc.pid, "pgid": self.pgid, "sid": self.proc.pid, "tag": self.tag,
                 "start_ticks": _start_ticks(self.proc.pid), "argv": mask_argv(self.spec.argv),
-                "argv_sha256": _argv_digest(self.spec.argv),
+                "argv_sha256": argv_digest(self.spec.argv),
                 "started_at": _now_iso(), "engine": self.spec.engine, "host": self.spec.host,
                 "port": self.spec.port, "log_path": str(self.log_path), "launcher_pid": os.getpid(),
                 "launcher_start_ticks": _start_ticks(os.getpid()), "owner": self.owner,
@@ -625,8 +415,8 @@ class ServerProcess:
                     self._log.close()
             if not report.remaining_pids:
                 self._stop_watchdog()
-        _verify_released(report, self.spec.host, self.spec.port, port_timeout_s,
-                         self.gpu_baseline, self.spec.env, gpu_timeout_s, gpu_tolerance_mib)
+        verify_released(report, self.spec.host, self.spec.port, port_timeout_s,
+                        self.gpu_baseline, self.spec.env, gpu_timeout_s, gpu_tolerance_mib)
         report.seconds = round(time.monotonic() - t0, 3)
         if report.ok:
             self.pid_path.unlink(missing_ok=True)  # kept on failure: reap() can try again
@@ -645,101 +435,12 @@ class ServerProcess:
         exc.add_note("teardown incomplete: " + "; ".join(report.problems))
 
 
-def _verify_released(report: TeardownReport, host: str, port: int, port_timeout_s: float,
-                     gpu_baseline: dict[str, Any] | None, env: Mapping[str, str], gpu_timeout_s: float,
-                     gpu_tolerance_mib: float = 1024.0) -> None:
-    """After the kill: record in `report` what the server still holds (processes, port, GPU memory)."""
-    if report.remaining_pids:
-        report.problems.append(f"processes still alive after SIGKILL: {report.remaining_pids}")
-    report.port_released = _wait_port(host, port, port_timeout_s)
-    if not report.port_released:
-        holders = procs.port_holders(port)
-        by = (" by " + ", ".join(procs.describe_pid(p) for p in holders)) if holders else ""
-        report.problems.append(f"port {port} still in use{by} {port_timeout_s:.0f}s after stop")
-    report.gpu_released, gpu_problem = wait_gpu_release(gpu_baseline, env, gpu_timeout_s, gpu_tolerance_mib)
-    if gpu_problem:
-        report.problems.append(gpu_problem)
-
-
-def _wait_port(host: str, port: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if port_free(host, port):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
-
-
-def wait_gpu_release(baseline: dict[str, Any] | None, env: Mapping[str, str], timeout_s: float,
-                     tolerance_mib: float = 1024.0) -> tuple[bool | None, str | None]:
-    """Wait until every visible GPU's used memory is back within `tolerance_mib` of the
-    baseline taken before launch. Memory, not the process list: a killed process can vanish
-    from nvidia-smi while its memory stays held (field note 1). (None, None) if not measurable."""
-    if baseline is None:
-        return None, None
-    deadline = time.monotonic() + timeout_s
-    while True:
-        now = gpu_state(env)
-        if now is None:
-            return None, None
-        held = {}
-        for index, gpu in now["gpus"].items():
-            before = baseline["gpus"].get(index, {}).get("used_mib")
-            used = gpu["used_mib"]
-            if before is not None and used is not None and used > before + tolerance_mib:
-                held[index] = (used, before)
-        if not held:
-            return True, None
-        if time.monotonic() >= deadline:
-            detail = ", ".join(f"GPU {i}: {u:.0f} MiB used (was {b:.0f} MiB before launch)"
-                               for i, (u, b) in sorted(held.items()))
-            return False, f"GPU memory not released {timeout_s:.0f}s after stop: {detail}"
-        time.sleep(1.0)
-
 
 def launch(spec: LaunchSpec, engine: Engine, log_path: str | os.PathLike,
            on_line: OnLine | None = None) -> ServerProcess:
     """Start the server now; use as `with launch(...) as server:`."""
     return ServerProcess(spec, engine, log_path, on_line).start()
 
-
-def reap(pid_path: str | os.PathLike, grace_s: float = 10.0, kill_wait_s: float = 5.0,
-         port_timeout_s: float = 10.0, gpu_timeout_s: float = 60.0) -> dict[str, Any]:
-    """Kill a server left behind by a cancelled run, from any process (e.g. Prefect's
-    on_cancellation hook, which runs elsewhere). Safe to call twice or on a stale file."""
-    t0 = time.monotonic()
-    path = Path(pid_path)
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        return {"reaped": False, "reason": f"no usable pid file: {err}"}
-    pgid, sid, pid, tag = info["pgid"], info.get("sid"), info["pid"], info.get("tag")
-    ticks = _start_ticks(pid)
-    leader_reused = ticks is not None and info.get("start_ticks") is not None and ticks != info["start_ticks"]
-    # The leader's pid can only be reused once its whole group is gone (the kernel does not
-    # hand out a pid still used as a pgid); processes carrying the tag are ours whatever pid.
-    left_now = procs.members(pgid, sid, tag) if not leader_reused else procs.members(-1, None, tag)
-    if not left_now:
-        holders = procs.port_holders(info["port"])
-        if holders:  # nothing of ours found, yet something listens: say so, never "gone"
-            return {"reaped": False, "reason": f"no process of this server found, but port {info['port']} is "
-                                               f"held by " + ", ".join(procs.describe_pid(p) for p in holders),
-                    "problems": [f"port {info['port']} still in use"]}
-        path.unlink(missing_ok=True)
-        return {"reaped": False, "reason": "server already gone" + (" (pid reused)" if leader_reused else "")}
-    signals, left = procs.terminate(pgid if not leader_reused else -1, sid if not leader_reused else None,
-                                    grace_s, kill_wait_s, tag)
-    report = TeardownReport(signals=signals, remaining_pids=left)
-    env = dict(os.environ)
-    if info.get("cuda_visible_devices") is not None:
-        env["CUDA_VISIBLE_DEVICES"] = info["cuda_visible_devices"]
-    _verify_released(report, info.get("host", "127.0.0.1"), info["port"], port_timeout_s,
-                     info.get("gpu_baseline"), env, gpu_timeout_s)
-    report.seconds = round(time.monotonic() - t0, 3)
-    if report.ok:
-        path.unlink(missing_ok=True)
-    return {"reaped": True, **report.to_dict()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,8 +28,9 @@ from drafter.secrets import expand_placeholders, resolve_all, secret_looking_env
 from drafter.serving.engines import check_speculative_settings, engine_python, make_engine
 from drafter.serving.errors import ServerConfigError, TeardownError
 from drafter.serving.gate import wait_until_ready
-from drafter.serving.launcher import OnLine, ServerProcess, TeardownReport, launch_file, preflight, reap_stale
+from drafter.serving.launcher import OnLine, ServerProcess, launch_file, preflight
 from drafter.serving.layer_check import check_draft_layer_ids
+from drafter.serving.ownership import TeardownReport, reap_stale
 from drafter.serving.sglang_rules import preflight_with_sglang
 
 log = logging.getLogger("drafter.serving")

@@ -1,0 +1,291 @@
+"""The Engine interface and what every engine shares.
+
+An `Engine` knows four things about a server program: how to launch it from a validated
+`LifecycleConfig` (`build_launch`), what its start-up log looks like (`phases`, `ready_patterns`,
+`fatal_patterns`, used by the stall watchdog, and `config_error_patterns`: the lines that mean
+"this configuration cannot run on this host", a failed start that no retry will fix), how to ask a
+running server which speculative settings it ACTUALLY uses (`read_settings`; field note 3: a flag
+can be quietly rewritten), and how to read its acceptance counters (`metrics_snapshot` /
+`accept_length`).
+
+This module holds the base class, the launch spec (`LaunchSpec`), start-up phases, the helpers the
+engines' command lines share (SGLang-style speculative flags, option tables, the launch
+environment), and `check_speculative_settings`, which compares what was asked for with what any
+engine reports. It knows no engine: each one lives in its own module next to it and imports this.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Literal, Mapping, NamedTuple, Sequence
+
+import httpx
+
+from drafter.config import LifecycleConfig, SpeculativeConfig
+from drafter.serving.errors import ServerConfigError
+
+GenerateStyle = Literal["sglang", "openai"]
+
+
+def _option_flags(serve, flags: dict[str, str]) -> list[str]:
+    argv: list[str] = []
+    for field, flag in flags.items():
+        value = getattr(serve, field)
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+class Phase(NamedTuple):
+    """A start-up phase, entered when a log line matches `pattern`.
+
+    `budget_s` is how long the phase may go without log progress before it counts as hung;
+    None means "use the caller's stall timeout". A budget never exceeds the caller's stall
+    timeout unless the caller names the phase in `phase_budgets` (see gate.phase_budget).
+    """
+
+    name: str
+    pattern: re.Pattern | None
+    budget_s: float | None = None
+
+
+def _rx(*alternatives: str, flags: int = 0) -> re.Pattern:
+    return re.compile("|".join(f"(?:{a})" for a in alternatives), flags)
+
+
+class ConfigErrorLine(NamedTuple):
+    """A log line saying the configuration cannot run on this host (an unsupported backend, a missing
+    kernel): the start fails for good, so the gate raises ServerConfigError (not retryable) instead of
+    ServerCrashed. `explain` is `str.format`ted with the match's named groups and `line` (the line)."""
+
+    pattern: re.Pattern
+    explain: str
+
+
+@dataclass
+class LaunchSpec:
+    """Everything needed to start one server, and to save with the run (field note 2)."""
+
+    engine: str
+    argv: list[str]
+    env: dict[str, str]                 # the full environment given to the process
+    env_overrides: dict[str, str]       # what the configuration added on top of os.environ
+    cwd: str
+    host: str
+    port: int
+    base_url: str                       # where probes go (loopback when host is a wildcard)
+    health_url: str
+    served_model_name: str
+    generate_style: GenerateStyle = "openai"
+    models_path: str = "/v1/models"
+    model_path: str | None = None       # checked by preflight when it is a local path
+    draft_path: str | None = None
+    log_dir: str | None = None
+
+    def url(self, path: str) -> str:
+        return self.base_url.rstrip("/") + path
+
+
+# --------------------------------------------------------------------------------------------
+# Engine base
+# --------------------------------------------------------------------------------------------
+
+# Our own readiness probes show up in access logs; they are not the server making progress.
+_PROBE_ACCESS = re.compile(
+    r'"(?:GET|POST) /(?:health|health_generate|v1/models|generate|v1/completions|get_server_info'
+    r'|server_info|metrics)\S* HTTP/')
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class Engine:
+    name: str = "engine"
+    generate_style: GenerateStyle = "openai"
+    phases: tuple[Phase, ...] = (Phase("launch", None),)
+    ready_patterns: tuple[re.Pattern, ...] = ()
+    fatal_patterns: tuple[re.Pattern, ...] = ()
+    config_error_patterns: tuple[ConfigErrorLine, ...] = ()
+    noise_patterns: tuple[re.Pattern, ...] = (_PROBE_ACCESS,)
+
+    # ---- launching -------------------------------------------------------------------------
+    def build_launch(self, cfg: LifecycleConfig, draft_path: str | None = None,
+                     log_dir: str | os.PathLike | None = None, *, faults: Sequence[str] = ()) -> LaunchSpec:
+        raise NotImplementedError
+
+    # ---- log classification ----------------------------------------------------------------
+    def classify(self, line: str) -> tuple[str | None, bool, bool, bool]:
+        """(phase entered or None, is ready line, is fatal line, is noise) for one log line."""
+        clean = _ANSI.sub("", line)
+        noise = any(p.search(clean) for p in self.noise_patterns)
+        phase = None
+        for ph in self.phases:
+            if ph.pattern is not None and ph.pattern.search(clean):
+                phase = ph.name  # the last matching phase wins: patterns are listed in start-up order
+        ready = any(p.search(clean) for p in self.ready_patterns)
+        fatal = any(p.search(clean) for p in self.fatal_patterns)
+        return phase, ready, fatal, noise
+
+    def config_error(self, lines: Iterable[str]) -> str | None:
+        """Why this configuration cannot run on this host, from the first of `lines` (a failed start's
+        log) matching `config_error_patterns`; None when none does (then the failure is a crash)."""
+        for line in lines:
+            clean = _ANSI.sub("", line).strip()
+            for known in self.config_error_patterns:
+                m = known.pattern.search(clean)
+                if m:
+                    groups = {k: v for k, v in m.groupdict().items() if v is not None}
+                    return known.explain.format(**{"line": clean, **groups})
+        return None
+
+    def phase_default(self, name: str) -> float | None:
+        for ph in self.phases:
+            if ph.name == name:
+                return ph.budget_s
+        return None
+
+    def _host_port_spec(self, cfg: LifecycleConfig, argv: list[str], draft_path: str | None,
+                        log_dir: str | os.PathLike | None) -> LaunchSpec:
+        """The spec of a server that listens on serve.host:serve.port with SGLang/vLLM paths."""
+        s, t = cfg.serve, cfg.target
+        env, overrides = _launch_env(cfg)
+        base = f"http://{_probe_host(s.host)}:{s.port}"
+        return LaunchSpec(
+            engine=self.name, argv=argv, env=env, env_overrides=overrides, cwd=os.getcwd(),
+            host=s.host, port=s.port, base_url=base, health_url=base + "/health",
+            served_model_name=t.served_name, generate_style=self.generate_style,
+            model_path=t.path, draft_path=draft_path, log_dir=str(log_dir) if log_dir else None)
+
+    # ---- reading the running server --------------------------------------------------------
+    def read_settings(self, client: httpx.Client, log_text: str = "") -> dict[str, Any]:
+        """The speculative settings the running server uses, normalized to SpeculativeConfig names:
+        algorithm (None = speculation off), num_steps, eagle_topk, num_draft_tokens, draft_path.
+        `client` is an httpx.Client whose base_url is the server; `log_text` its log so far."""
+        return {}
+
+    def metrics_snapshot(self, client: httpx.Client) -> dict[str, Any]:
+        return {}
+
+    def accept_length(self, before: Mapping[str, Any] | None, after: Mapping[str, Any],
+                      responses: Sequence[Mapping[str, Any]] = ()) -> float | None:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
+
+def _probe_host(host: str) -> str:
+    """Probes go to loopback when the server listens on every interface."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host in ("::", "[::]"):
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def keep_secret_placeholders(arg: str) -> str:
+    from drafter.secrets import _PLACEHOLDER
+
+    return _PLACEHOLDER.sub(lambda m: "{" + m.group(0) + "}", arg)
+
+
+def _launch_env(cfg: LifecycleConfig) -> tuple[dict[str, str], dict[str, str]]:
+    from drafter.serving.launch_env import launch_overrides
+
+    overrides = launch_overrides(cfg.serve.env)
+    return {**os.environ, **overrides}, overrides
+
+
+def _speculates(spec: SpeculativeConfig | None, draft_path: str | None) -> bool:
+    """Whether the server gets a drafter; serve.speculative without a draft path is refused."""
+    if draft_path is None and spec is not None:
+        raise ServerConfigError(
+            "serve.speculative is set but no draft path was given: refusing to start a "
+            "server that would silently run without speculation")
+    return draft_path is not None
+
+
+def speculative_flags(spec: SpeculativeConfig | None, draft_path: str | None) -> list[str]:
+    """SGLang-style flags. S/K/D come all three or not at all (SGLang asserts otherwise);
+    SpeculativeConfig has already enforced that and SGLang's K=1 / S*K+1 rules."""
+    if not _speculates(spec, draft_path):
+        return []
+    algorithm = spec.algorithm if spec is not None else "EAGLE3"
+    flags = ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft_path)]
+    if spec is not None and spec.is_set:
+        flags += ["--speculative-num-steps", str(spec.num_steps),
+                  "--speculative-eagle-topk", str(spec.eagle_topk),
+                  "--speculative-num-draft-tokens", str(spec.num_draft_tokens)]
+    return flags
+
+
+def _no_faults(engine: str, faults: Sequence[str]) -> None:
+    if faults:
+        raise ServerConfigError(f"fault injection is only available for the reference engine, not {engine!r}")
+
+
+def engine_python(cfg: LifecycleConfig) -> str:
+    """The interpreter that runs SGLang / vLLM: `serve.python` (the engine's own environment), else ours."""
+    return cfg.serve.python or sys.executable
+
+
+# --------------------------------------------------------------------------------------------
+# What the server reports against what we asked for
+# --------------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _same_path(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    except OSError:
+        return False
+
+
+def check_speculative_settings(requested: SpeculativeConfig | None, actual: Mapping[str, Any],
+                               draft_path: str | None = None) -> list[str]:
+    """Every difference between what we asked for and what the server reports using.
+
+    Speculation is expected when `requested` is set or a `draft_path` was given; then the
+    algorithm must match, S/K/D must match when they were set (SGLang rewrites D when K=1,
+    vLLM has no topk), and the draft path must be the one we launched with."""
+    if not actual:
+        return ["could not read the server's settings back: nothing reported"]
+    if "error" in actual:
+        return [f"could not read the server's settings back: {actual['error']}"]
+    expect = requested is not None or draft_path is not None
+    problems: list[str] = []
+    algo = actual.get("algorithm", _MISSING)
+    if not expect:
+        if algo not in (None, _MISSING, "", "NONE"):
+            problems.append(f"algorithm: no speculation was requested but the server runs {algo}")
+        return problems
+    want_algo = requested.algorithm if requested is not None else "EAGLE3"
+    if algo is _MISSING:
+        problems.append("algorithm: the server did not report its speculative algorithm")
+    elif not algo:
+        problems.append(f"algorithm: {want_algo} was requested but speculation is off on the server")
+    elif str(algo).upper() != want_algo.upper():
+        problems.append(f"algorithm: requested {want_algo}, server uses {algo}")
+    if requested is not None and requested.is_set:
+        for key in ("num_steps", "eagle_topk", "num_draft_tokens"):
+            want, got = getattr(requested, key), actual.get(key)
+            if got is None:
+                problems.append(f"{key}: requested {want}, the server did not report it")
+            elif not (isinstance(got, (int, float)) and not isinstance(got, bool) and math.isclose(got, want)):
+                problems.append(f"{key}: requested {want}, server uses {got}")
+    if draft_path is not None:
+        got = actual.get("draft_path")
+        if got is None:
+            problems.append(f"draft_path: requested {draft_path}, the server did not report it")
+        elif not _same_path(str(got), str(draft_path)):
+            problems.append(f"draft_path: requested {draft_path}, server uses {got}")
+    return problems

@@ -1,0 +1,64 @@
+"""Any server program: `serve.command` with placeholders plus a health URL (engine `command`)."""
+from __future__ import annotations
+
+import os
+from urllib.parse import urlsplit
+
+import httpx
+
+from drafter.serving.engines.base import (Engine, GenerateStyle, LaunchSpec, Phase, _launch_env, _no_faults,
+                                          _probe_host, _rx, keep_secret_placeholders)
+from drafter.serving.engines.sglang import sglang_server_info, sglang_settings_from_info
+from drafter.serving.errors import ServerConfigError
+
+GENERIC_PHASES: tuple[Phase, ...] = (
+    Phase("launch", None),
+    Phase("http_server", _rx(r"Uvicorn running on https?://", r"Application startup complete",
+                             r"[Ll]istening on https?://", r"Running on https?://")),
+)
+
+
+class CommandEngine(Engine):
+    """`serve.command` as given, with {host} {port} {model_path} {served_model_name}
+    {draft_path} placeholders filled in; ready when `serve.health_url` answers and the
+    OpenAI-compatible listing and a 1-token completion work."""
+
+    name = "command"
+    generate_style: GenerateStyle = "openai"
+    phases = GENERIC_PHASES
+
+    def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=()):
+        _no_faults(self.name, faults)
+        s, t = cfg.serve, cfg.target
+        if not s.command:
+            raise ServerConfigError("engine 'command' needs serve.command")
+        if s.extra_args:
+            raise ServerConfigError("serve.extra_args is not used by engine 'command': "
+                                    "put the flags into serve.command")
+        values = {"host": s.host, "port": str(s.port), "model_path": t.path,
+                  "served_model_name": t.served_name, "draft_path": draft_path or ""}
+        try:
+            # {secret:NAME} stays for the session, which resolves serve.secrets at launch
+            argv = [keep_secret_placeholders(arg).format(**values) if "{" in arg else arg for arg in s.command]
+        except (KeyError, IndexError, ValueError) as err:
+            raise ServerConfigError(f"serve.command: bad placeholder {err} "
+                                    f"(known: {', '.join('{' + k + '}' for k in values)})") from None
+        health = s.health_url or f"http://{_probe_host(s.host)}:{s.port}/health"
+        parts = urlsplit(health)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ServerConfigError(f"serve.health_url: not an http(s) URL: {health!r}")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        env, overrides = _launch_env(cfg)
+        return LaunchSpec(
+            engine=self.name, argv=argv, env=env, env_overrides=overrides, cwd=os.getcwd(),
+            host=parts.hostname, port=port, base_url=f"{parts.scheme}://{parts.netloc}",
+            health_url=health, served_model_name=t.served_name, generate_style=self.generate_style,
+            model_path=None, draft_path=draft_path, log_dir=str(log_dir) if log_dir else None)
+
+    def read_settings(self, client, log_text=""):
+        # Best effort: an SGLang-compatible command answers /get_server_info; anything else
+        # reports nothing, and check_speculative_settings then says it could not verify.
+        try:
+            return sglang_settings_from_info(sglang_server_info(client))
+        except (RuntimeError, httpx.HTTPError, ValueError):
+            return {}

@@ -1,0 +1,30 @@
+"""Our reference engine (drafter/serving/reference_server.py) as a launched server: its command line.
+It speaks SGLang's flags, start-up lines and endpoints, so everything else is SGLang's."""
+from __future__ import annotations
+
+import sys
+
+from drafter.serving.engines.base import speculative_flags
+from drafter.serving.engines.sglang import SGLangEngine
+from drafter.serving.errors import ServerConfigError
+
+
+class ReferenceEngine(SGLangEngine):
+    """Our Hugging Face based server (drafter/serving/reference_server.py): SGLang flags,
+    SGLang start-up lines and SGLang-compatible endpoints, so it shares the SGLang readers."""
+
+    name = "reference"
+
+    def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=()):
+        s, t = cfg.serve, cfg.target
+        if s.tp_size != 1:
+            raise ServerConfigError(f"the reference engine runs on one device; serve.tp_size={s.tp_size} "
+                                    f"cannot be honoured")
+        argv = [sys.executable, "-m", "drafter.serving.reference_server",
+                "--model-path", t.path, "--host", s.host, "--port", str(s.port),
+                "--served-model-name", t.served_name, "--device", s.device, "--dtype", t.dtype]
+        argv += speculative_flags(s.speculative, draft_path)
+        for fault in faults:  # test-only fault injection, e.g. "hang:load_weights"
+            argv += ["--fault", fault]
+        argv += list(s.extra_args)
+        return self._host_port_spec(cfg, argv, draft_path, log_dir)

