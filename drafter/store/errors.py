@@ -1,0 +1,73 @@
+"""The store's errors: what a caller may retry (`StoreError.retryable`) and what a person must fix."""
+from __future__ import annotations
+
+from drafter.errors import EXIT_CONFIG, DrafterError
+
+
+class StoreError(DrafterError):
+    """A storage operation failed (after retries, where retrying made sense): a later attempt may work."""
+
+    retryable = True
+
+
+class OperationTimeout(StoreError):
+    """No answer within the operation's deadline (`storage.operation_timeout_s`): a frozen or
+    unreachable endpoint. A later attempt may work."""
+
+
+class BucketError(StoreError):
+    """The bucket does not exist or we may not use it: fix `storage.root` or the credentials."""
+
+    retryable = False
+
+
+class CredentialsError(BucketError):
+    """No usable S3 credentials (none found, a partial set, a profile that does not exist): fix the
+    environment. The message names the bucket and the endpoint, never a secret."""
+
+    exit_code = EXIT_CONFIG
+
+
+class InvalidName(StoreError):
+    """A key, prefix, stage or fingerprint that could escape its place in the store (`..`, `/`,
+    `\\`, ...), or an endpoint URL that names no server: a usage error, refused before anything is
+    read or written."""
+
+    retryable = False
+    exit_code = EXIT_CONFIG
+
+
+class ObjectNotFound(StoreError):
+    """The key does not exist (e.g. an upstream stage that was never committed: run it first;
+    waiting will not help)."""
+
+    retryable = False
+
+
+class CorruptObject(StoreError):
+    """An object's bytes do not match what was recorded for it (sha256 or size): a person must look.
+
+    A key inside a stage output (`<stage>/<fingerprint>/...`) is a committed output that failed a
+    read or a verification: the message names the command that sets the output aside so that the
+    next run of the stage redoes it (`StageOutput.repair`). `repair=False` where a re-run alone
+    fixes it (an upload the store committed wrongly, a shard whose marker was just removed)."""
+
+    retryable = False
+
+    def __init__(self, key: str, detail: str, uri: str | None = None, repair: bool = True):
+        self.key = key
+        self.uri = uri or key
+        hint = repair_hint(key) if repair else None
+        super().__init__(f"corrupt object {self.uri}: {detail}" + (f"; {hint}" if hint else ""))
+
+
+def repair_hint(key: str) -> str | None:
+    """The command that repairs the committed stage output holding `key`, None outside one."""
+    from drafter.stages import TABLE  # lazily: the stages build on the store
+
+    parts = key.split("/")
+    if len(parts) < 2 or parts[0] not in TABLE.names:  # e.g. train-checkpoints/: not a stage output
+        return None
+    return (f"to redo it, run `drafter verify --repair {parts[0]} -c PROFILE` (the profile that made it), "
+            f"then run {parts[0]} again")
+
