@@ -22,7 +22,7 @@ from pathlib import Path
 
 from drafter.config import (DataConfig, DatagenConfig, DataSource, DumpConfig, LifecycleConfig, ServeConfig,
                             StorageConfig, TargetConfig, TrainConfig)
-from drafter.stages import datagen, prepare
+from drafter.stages import TABLE, datagen, prepare
 from drafter.serving.session import ServerSession
 from drafter.store import open_store
 
@@ -47,10 +47,10 @@ def _config(work: Path, n: int, turns: int, target: TargetConfig, **datagen) -> 
 
 def _run(cfg: LifecycleConfig, urls: list[str]) -> tuple[float, dict]:
     store = open_store(cfg.storage)
-    fp = prepare.run(cfg, store).manifest.fingerprint
+    fp = TABLE.run("prepare", cfg, store).manifest.fingerprint
     cfg = cfg.model_copy(update={"datagen": cfg.datagen.model_copy(update={"server_urls": urls})})
     t = time.perf_counter()
-    meta = datagen.run(cfg, store, upstream={"prepare": fp}).manifest.meta
+    meta = TABLE.run("datagen", cfg, store, upstream={"prepare": fp}).manifest.meta
     return time.perf_counter() - t, meta
 
 

@@ -41,6 +41,7 @@ from drafter.stage_output import StageOutput, to_jsonl
 from drafter.stages import dump
 from drafter.store import FileStore, ObjectStore, S3Store
 from drafter.tokenize import tokenize_conversation
+from drafter.stages import TABLE
 
 SHAPES = {
     # tests/fixtures/targets.py::tiny_target_config
@@ -147,7 +148,7 @@ def bench_run(path: Path, conversations: list[dict], args, storage: str) -> dict
         up.commit({})
         clock = MarkerClock(store)
         t = time.perf_counter()
-        result = dump.run(cfg, store, upstream={"prepare": "bench000"})
+        result = TABLE.run("dump", cfg, store, upstream={"prepare": "bench000"})
         total = time.perf_counter() - t
         meta = result.manifest.meta
         t = time.perf_counter()

@@ -295,12 +295,11 @@ def serve(config: Path = ConfigOpt,
     The drafter: --draft, else serve.draft_path, else this configuration's export."""
     from drafter.serving.check import check_server, serve_forever
     from drafter.stages import TABLE
-    from drafter.stages.serve import draft_path as resolve_draft
-    from drafter.store import open_store
 
     cfg = _load(config, {"serve.draft_path": draft})
     on_line = None if quiet else (lambda line: typer.echo(line, err=True))
-    draft_path = resolve_draft(cfg, open_store(cfg.storage), TABLE.fingerprints(cfg).upstream("serve"))
+    stage = TABLE["serve"].code  # the serve stage's rule for which drafter, without its gate-and-stop
+    draft_path = stage.draft_path(stage.inputs(TABLE.context("serve", cfg)))
     if check:
         report = check_server(cfg, draft_path=draft_path, faults=tuple(fault), on_line=on_line)
         typer.echo(json.dumps(report, default=str))

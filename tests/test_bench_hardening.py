@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from drafter.stages import TABLE
 from drafter.bench.measure import MeasurementError
 from drafter.config import parse_config
 from drafter.errors import exit_code
@@ -48,17 +49,17 @@ def test_baseline_port_taken_is_retryable_and_the_next_run_retries_it(tmp_path):
     holder = socket.create_server(("127.0.0.1", cfg.serve.port))  # another process's server, in effect
     try:
         with pytest.raises(bench.BenchError) as err:
-            bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+            TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     finally:
         holder.close()
     msg = str(err.value)
     assert err.value.retryable and exit_code(err.value) == 3
     assert "baseline server failed (port_taken)" in msg and f"pid {os.getpid()}" in msg
     assert "set serve.port" in msg and "delete" not in msg
-    record = json.loads(bench.output(cfg, store, UPSTREAM).read_shard("failed/baseline.json"))
+    record = json.loads(TABLE.output("bench", cfg, store, UPSTREAM).read_shard("failed/baseline.json"))
     assert record["kind"] == "port_taken" and record["retryable"] and record["attempts"] == 1
     # the port is free again: the re-run retries the baseline instead of repeating the record
-    result = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+    result = TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     assert result.status == "done" and result.meta["failed"] == {} and result.meta["measurements"] == 2
     assert "failed/baseline.json" not in shards(store, result.fingerprint)
     report = json.loads(StageOutput.committed(store, "bench", result.fingerprint).read_shard("report.json"))
@@ -74,11 +75,11 @@ def test_a_speculative_server_whose_port_is_taken_holds_the_report_back(tmp_path
     holder = socket.create_server(("127.0.0.1", cfg.serve.port + 1))  # concurrent: the second server's
     try:
         with pytest.raises(bench.BenchError, match=r"port taken: EAGLE3 3/1/4: .*already in use") as err:
-            bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+            TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     finally:
         holder.close()
-    assert err.value.retryable and not bench.output(cfg, store, UPSTREAM).is_complete()
-    result = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+    assert err.value.retryable and not TABLE.output("bench", cfg, store, UPSTREAM).is_complete()
+    result = TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     assert result.status == "done" and result.meta["failed"] == {}
     assert result.meta["launches"] == 2  # the baseline was measured once, in the first run
     _no_servers_left(tmp_path / "logs")
@@ -117,18 +118,18 @@ def test_a_refused_request_keeps_its_evidence_says_what_to_change_and_is_recheck
     store = store_with(tmp_path, ["Question 1: tell me about 1", LONG, "Question 3: tell me about 3"])
     cfg = reference_config(tmp_path, target)
     with monkeypatch.context() as m:
-        m.setattr(bench, "target_context", lambda cfg: None, raising=False)
+        m.setattr("drafter.bench.prompts.target_context", lambda cfg: None)
         with pytest.raises(bench.BenchError) as err:
-            bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+            TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     msg = str(err.value)
     assert not err.value.retryable and exit_code(err.value) == 4  # the same request would be refused again
     assert "baseline server failed (request_refused)" in msg and "HTTP 400" in msg
     assert "does not fit the context length 512" in msg and "bench.max_tokens" in msg and "delete" not in msg
-    record = json.loads(bench.output(cfg, store, UPSTREAM).read_shard("failed/baseline.json"))
+    record = json.loads(TABLE.output("bench", cfg, store, UPSTREAM).read_shard("failed/baseline.json"))
     assert record["kind"] == "request_refused" and record["detail"]["http_status"] == 400
     assert Path(record["detail"]["log_path"]).is_file()
 
-    result = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+    result = TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     assert result.status == "done" and result.meta["failed"] == {} and result.meta["measurements"] == 1
     assert result.meta["prompts"] == 2 and result.meta["prompts_dropped"] == 1
     assert "failed/baseline.json" not in shards(store, result.fingerprint)
@@ -148,7 +149,7 @@ def test_no_prompt_that_fits_the_context_is_refused_by_name_before_any_server_st
     cfg = reference_config(tmp_path, target, max_tokens=510)  # no room left even for a short question
     with pytest.raises(bench.BenchError, match=r"no held-out prompt fits the target's context: all 2 need more "
                                                r"than max_position_embeddings 512 .*bench.max_tokens 510") as err:
-        bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+        TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     shortest = int(str(err.value).split("the shortest has ")[1].split()[0])
     assert f"set bench.max_tokens to at most {512 - shortest}" in str(err.value)
     assert not list((tmp_path / "logs").glob("*.log"))  # refused before launching anything

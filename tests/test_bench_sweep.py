@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from drafter.stages import TABLE
 from drafter.store import ObjectNotFound
 
 from drafter.config import parse_config
@@ -119,7 +120,7 @@ def test_sweep_records_a_failed_config_and_keeps_the_others(tmp_path):
                       bench_extra={"drift_tolerance": 0.4})
     assert cfg.bench.interleave == "auto"
     seen = []
-    result = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST,
+    result = TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST,
                        progress=lambda done, total, *info: seen.append((done, total)))
     assert result.status == "done"
     meta = result.meta
@@ -167,7 +168,7 @@ def test_sweep_records_a_failed_config_and_keeps_the_others(tmp_path):
     # a second run finds the output complete and launches nothing
     logs = len(list((tmp_path / "logs").glob("*.log")))
     assert logs == 4  # three servers and the failed start
-    again = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+    again = TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     assert again.status == "skipped" and again.table == result.table
     assert len(list((tmp_path / "logs").glob("*.log"))) == logs
 
@@ -176,7 +177,7 @@ def test_relaunch_mode_starts_one_server_per_round_in_rotating_order(tmp_path):
     store = make_store(tmp_path)
     cfg = fake_config(tmp_path, [S314], fake_args=["--token-delay-s", "0.002"],
                       bench_extra={"interleave": "relaunch", "repeats": 2, "batch_sizes": [2], "num_prompts": 2})
-    result = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+    result = TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     report = json.loads(StageOutput.committed(store, "bench", result.fingerprint).read_shard("report.json"))
     launches = sorted(report["launches"], key=lambda l: l["started_at"])
     assert [l["key"] for l in launches] == [bench.BASELINE, "eagle3-s3-k1-d4", "eagle3-s3-k1-d4", bench.BASELINE]
@@ -189,27 +190,27 @@ def test_baseline_that_fails_to_start_fails_the_stage_keeping_nothing_committed(
     store = make_store(tmp_path)
     cfg = fake_config(tmp_path, [S314], fake_args=["--crash-in", "kv_cache"], bench_extra={"repeats": 1})
     with pytest.raises(bench.BenchError, match="baseline server failed \\(crashed\\)") as err:
-        bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+        TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     assert err.value.retryable
-    assert not bench.output(cfg, store, UPSTREAM).is_complete()
+    assert not TABLE.output("bench", cfg, store, UPSTREAM).is_complete()
 
 
 _CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
 from drafter.config import parse_config
-from drafter.stages import bench
+from drafter.stages import TABLE
 from drafter.store import FileStore
 from tests.test_speculative import successor_pair  # noqa: F401  (fixture)
 cfg = parse_config(json.load(open({cfg!r})))
-bench.run(cfg, FileStore({store!r}), upstream={upstream!r}, session_options={fast!r})
+TABLE.run("bench", cfg, FileStore({store!r}), upstream={upstream!r}, session_options={fast!r})
 """
 
 
 def test_killed_sweep_resumes_without_repeating_finished_measurements(tmp_path):
     store = make_store(tmp_path)
     cfg = fake_config(tmp_path, [S314, S213], fake_args=["--token-delay-s", "0.008"])
-    fp = bench.fingerprint(cfg, UPSTREAM)
+    fp = TABLE.fingerprint("bench", cfg, UPSTREAM)
     cfg_file = tmp_path / "cfg.json"
     cfg_file.write_text(json.dumps(cfg.model_dump(mode="json")))
     script = _CHILD.format(root=str(ROOT), cfg=str(cfg_file), store=str(tmp_path / "store"),
@@ -239,7 +240,7 @@ def test_killed_sweep_resumes_without_repeating_finished_measurements(tmp_path):
     while list((tmp_path / "logs").glob("*.pid.json")):
         assert time.monotonic() < deadline, "the killed sweep's servers were not stopped"
         time.sleep(0.1)
-    result = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+    result = TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     assert result.status == "done" and result.meta["measurements"] == 18
     after = _markers(tmp_path / "store", fp)
     for name, sha in finished.items():
@@ -264,7 +265,7 @@ def test_reference_engine_sweep_with_the_crafted_drafter(tmp_path, successor_pai
         "bench": {"speculative": [S314, {"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 4}],
                   "batch_sizes": [1], "num_prompts": 2, "max_tokens": 24, "repeats": 2, "warmup_requests": 1},
         "storage": {"root": f"file://{tmp_path / 'store'}"}})
-    result = bench.run(cfg, store, upstream=UPSTREAM, session_options=FAST)
+    result = TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     meta = result.meta
     assert meta["interleave"] == "concurrent" and meta["failed"] == {} and meta["measurements"] == 4
     assert "eagle_topk must be 1" in meta["skipped"][0]["reason"]
@@ -319,7 +320,7 @@ def test_drafter_from_the_export_output_and_what_the_fingerprint_covers(tmp_path
     export.write_shard("sglang/config.json", b'{"architectures": ["LlamaForCausalLMEagle3"]}')
     export.write_shard("sglang/model.safetensors", b"weights")
     export.commit()
-    from drafter.stages.serve import export_dir
+    from drafter.stages.drafters import export_dir
 
     cfg = fake_config(tmp_path, [S314])
     got = Path(export_dir(cfg, store, "feedfacefeedface"))
@@ -333,18 +334,18 @@ def test_drafter_from_the_export_output_and_what_the_fingerprint_covers(tmp_path
 
     no_dir = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft_path": None})})
     up = {"prepare": PREPARE_FP, "export": "feedfacefeedface"}
-    fp = bench.fingerprint(no_dir, up)
-    assert bench.fingerprint(no_dir, {**up, "export": "1111111111111111"}) != fp
-    assert bench.fingerprint(no_dir, {**up, "prepare": "2222222222222222"}) != fp
+    fp = TABLE.fingerprint("bench", no_dir, up)
+    assert TABLE.fingerprint("bench", no_dir, {**up, "export": "1111111111111111"}) != fp
+    assert TABLE.fingerprint("bench", no_dir, {**up, "prepare": "2222222222222222"}) != fp
     # operational settings do not change what the sweep is; bench output fields do
     moved = no_dir.model_copy(update={"serve": no_dir.serve.model_copy(update={"port": 1234}),
                                       "bench": no_dir.bench.model_copy(update={"request_timeout_s": 5.0})})
-    assert bench.fingerprint(moved, up) == fp
+    assert TABLE.fingerprint("bench", moved, up) == fp
     more = no_dir.model_copy(update={"bench": no_dir.bench.model_copy(update={"repeats": 5})})
-    assert bench.fingerprint(more, up) != fp
+    assert TABLE.fingerprint("bench", more, up) != fp
     # serve.draft_path set: its content is the identity, the export is not needed
-    with_dir = bench.fingerprint(cfg, {"prepare": PREPARE_FP})
+    with_dir = TABLE.fingerprint("bench", cfg, {"prepare": PREPARE_FP})
     (Path(cfg.serve.draft_path) / "model.safetensors").write_bytes(b"other weights")
-    assert bench.fingerprint(cfg, {"prepare": PREPARE_FP}) != with_dir
+    assert TABLE.fingerprint("bench", cfg, {"prepare": PREPARE_FP}) != with_dir
     with pytest.raises(bench.BenchError, match="no drafter"):
-        bench.fingerprint(no_dir, {"prepare": PREPARE_FP})
+        TABLE.fingerprint("bench", no_dir, {"prepare": PREPARE_FP})

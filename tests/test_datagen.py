@@ -21,7 +21,7 @@ from drafter.config import (ConfigError, DataConfig, DatagenConfig, DataSource, 
                             ServeConfig, StorageConfig, TargetConfig, parse_config)
 from drafter.formats import iter_generations
 from drafter.serving.client import DatagenServerDown
-from drafter.stages import datagen, prepare
+from drafter.stages import TABLE, datagen, prepare
 from drafter.store import open_store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,7 +177,7 @@ def make_cfg(tmp_path: Path, storage: StorageConfig, rows: list[dict], **datagen
 
 
 def prepared(cfg: LifecycleConfig, store) -> str:
-    return prepare.run(cfg, store).manifest.fingerprint
+    return TABLE.run("prepare", cfg, store).manifest.fingerprint
 
 
 def with_datagen(cfg: LifecycleConfig, **update) -> LifecycleConfig:
@@ -186,15 +186,15 @@ def with_datagen(cfg: LifecycleConfig, **update) -> LifecycleConfig:
 
 def run_datagen(cfg: LifecycleConfig, store, fp: str, urls: list[str], progress=None):
     """The datagen stage on prepared output `fp` through `urls` (none: it starts serve.engine)."""
-    return datagen.run(with_datagen(cfg, server_urls=list(urls)), store, upstream={"prepare": fp}, progress=progress)
+    return TABLE.run("datagen", with_datagen(cfg, server_urls=list(urls)), store, upstream={"prepare": fp}, progress=progress)
 
 
 def datagen_output(cfg: LifecycleConfig, store, fp: str):
-    return datagen.output(cfg, store, {"prepare": fp})
+    return TABLE.output("datagen", cfg, store, {"prepare": fp})
 
 
 def datagen_fingerprint(cfg: LifecycleConfig, fp: str) -> str:
-    return datagen.fingerprint(cfg, {"prepare": fp})
+    return TABLE.fingerprint("datagen", cfg, {"prepare": fp})
 
 
 def gen_shards(cfg, store, fp) -> dict:
@@ -365,11 +365,11 @@ def test_server_down_survives_pickling():
 CHILD = """
 import sys
 from drafter.config import LifecycleConfig
-from drafter.stages import datagen
+from drafter.stages import TABLE
 from drafter.store import open_store
 cfg = LifecycleConfig.model_validate_json(sys.argv[1])
 cfg = cfg.model_copy(update={"datagen": cfg.datagen.model_copy(update={"server_urls": [sys.argv[3]]})})
-datagen.run(cfg, open_store(cfg.storage), upstream={"prepare": sys.argv[2]})
+TABLE.run("datagen", cfg, open_store(cfg.storage), upstream={"prepare": sys.argv[2]})
 """
 
 
@@ -483,7 +483,7 @@ def test_the_servers_token_ids_reach_the_dump_and_a_retokenization_mismatch_warn
 
     from drafter.config import DumpConfig
     from drafter.formats import iter_dump_samples
-    from drafter.stages import dump
+    from drafter.stages import TABLE
 
     tok = AutoTokenizer.from_pretrained(tiny_target)
     eot_id = tok.convert_tokens_to_ids("<|eot_id|>")
@@ -513,7 +513,7 @@ def test_the_servers_token_ids_reach_the_dump_and_a_retokenization_mismatch_warn
     dump_cfg = cfg.model_copy(update={
         "dump": DumpConfig(upstream="datagen", aux_layer_ids=[0, 1, 2], devices=["cpu"], max_length=512),
         "train": cfg.train.model_copy(update={"draft_vocab_size": 256})})
-    dumped = dump.run(dump_cfg, store, upstream={"datagen": result.manifest.fingerprint})
+    dumped = TABLE.run("dump", dump_cfg, store, upstream={"datagen": result.manifest.fingerprint})
     assert dumped.manifest.meta["samples_from_token_ids"] == 2
     for sample in iter_dump_samples(store, dumped.manifest, expect_aux_layer_ids=[0, 1, 2]):
         learned = [t for t, m in zip(sample["input_ids"].tolist(), sample["loss_mask"].tolist()) if m]
@@ -577,7 +577,7 @@ def test_reference_engine_on_tiny_target(tmp_path, tiny_target):
     store = open_store(cfg.storage)
     fp = prepared(cfg, store)
     lines = []
-    result = datagen.run(cfg, store, upstream={"prepare": fp}, on_line=lines.append)
+    result = TABLE.run("datagen", cfg, store, upstream={"prepare": fp}, on_line=lines.append)
     assert any("ready to roll" in line for line in lines)  # start-up lines reach the caller
     assert len(list((tmp_path / "logs").glob("reference-*.launch.json"))) == 1
     assert not list((tmp_path / "logs").glob("*.pid.json"))  # torn down

@@ -15,13 +15,15 @@ import pytest
 import torch
 import yaml
 
+from drafter.stages import TABLE
 from drafter.capture import backends, base
 from drafter.capture import hf as hf_capture
 from drafter.config import LAYER_ID_CONVENTION, ConfigError, parse_config
 from drafter.formats import DumpMismatch, iter_dump_samples, read_conversations
 from drafter.formats import hidden_state_shard_name as shard_name
 from drafter.stage_output import to_jsonl
-from drafter.stages import dump
+from drafter.capture import tokenized
+from drafter.capture.plan import plan_dump
 from drafter.capture.shards import (FINAL_HIDDEN, HiddenStateShard, bytes_per_token, project_corpus,
                             storage_projection, write_shard_file)
 from drafter.stage_output import StageOutput
@@ -45,11 +47,11 @@ def run_dump(cfg, store, upstream_stage: str, fp: str, devices: list[str] | None
     """The dump stage's entry point on `upstream_stage`'s output `fp` (on `devices` if given)."""
     update = {"upstream": upstream_stage, **({"devices": devices} if devices else {})}
     cfg = cfg.model_copy(update={"dump": cfg.dump.model_copy(update=update)})
-    return dump.run(cfg, store, upstream={upstream_stage: fp})
+    return TABLE.run("dump", cfg, store, upstream={upstream_stage: fp})
 
 
 def plan(cfg, upstream_stage: str, fp: str):
-    return dump.plan_dump(cfg.model_copy(update={"dump": cfg.dump.model_copy(update={"upstream": upstream_stage})}),
+    return plan_dump(cfg.model_copy(update={"dump": cfg.dump.model_copy(update={"upstream": upstream_stage})}),
                           {upstream_stage: fp})
 
 
@@ -255,11 +257,12 @@ CHILD = textwrap.dedent("""
     from pathlib import Path
     from drafter.config import load_config
     from drafter.stage_output import StageOutput
-    from drafter.stages import dump
+    from drafter.capture import tokenized
+    from drafter.stages import TABLE
     from drafter.store import FileStore
 
     cfg_path, store_root, log_path, slow_s = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
-    real_write, real_build = StageOutput.write_shard, dump.tokenize_shard
+    real_write, real_build = StageOutput.write_shard, tokenized.tokenize_shard
 
     def write_shard(self, name, data, meta=None):
         info = real_write(self, name, data, meta)
@@ -272,8 +275,8 @@ CHILD = textwrap.dedent("""
         time.sleep(slow_s)  # slow enough to be killed mid-run
         return built
 
-    StageOutput.write_shard, dump.tokenize_shard = write_shard, build_shard
-    result = dump.run(load_config(cfg_path), FileStore(store_root), upstream={"prepare": "prep0000"})
+    StageOutput.write_shard, tokenized.tokenize_shard = write_shard, build_shard
+    result = TABLE.run("dump", load_config(cfg_path), FileStore(store_root), upstream={"prepare": "prep0000"})
     print(result.uri, result.manifest.meta["num_samples"])
 """)
 
@@ -328,21 +331,21 @@ def test_resume_with_two_cpu_workers(any_store, tmp_path, tiny_target, convs, mo
     expected = run_dump(cfg, reference, "prepare", "prep0000").manifest
 
     fp = put_prepared(any_store, convs[:10])
-    real_build = dump.tokenize_shard
+    real_build = tokenized.tokenize_shard
 
     def crash_at_shard_3(tokenizer, max_length, index, records, split):
         if index == 3:
             raise RuntimeError("simulated crash")
         return real_build(tokenizer, max_length, index, records, split)
 
-    monkeypatch.setattr(dump, "tokenize_shard", crash_at_shard_3)
+    monkeypatch.setattr(tokenized, "tokenize_shard", crash_at_shard_3)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_dump(cfg, any_store, "prepare", fp)
     out = StageOutput(any_store, "dump", expected.fingerprint)
     before = set(out.completed_shards())
     assert before == {shard_name(i) for i in range(3)}  # finished shards were uploaded before failing
 
-    monkeypatch.setattr(dump, "tokenize_shard", real_build)
+    monkeypatch.setattr(tokenized, "tokenize_shard", real_build)
     written, real_write = [], StageOutput.write_shard
     monkeypatch.setattr(StageOutput, "write_shard",
                         lambda self, name, data, meta=None: written.append(name) or real_write(self, name, data, meta))

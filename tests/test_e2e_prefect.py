@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.fixtures.net import free_port
+from drafter.stages import TABLE
 
 ROOT = Path(__file__).resolve().parents[1]
 # In the worker's environment only; the profile names it (serve.secrets), never holds it.
@@ -374,8 +375,8 @@ def test_retrain_nightly_promotes_reuses_rejects_and_rolls_back(prefect_env, tin
     cfg = load_config(profile)
     planted = plant_worse_challenger(store, champion_2)
     upstream = {"export": planted, "prepare": second["corpus"]}
-    benched = bench_stage.run(cfg, FileStore(store), upstream=upstream)
-    verdict = champion_stage.run(cfg, FileStore(store), upstream={**upstream, "bench": benched.fingerprint})
+    benched = TABLE.run("bench", cfg, FileStore(store), upstream=upstream)
+    verdict = TABLE.run("champion", cfg, FileStore(store), upstream={**upstream, "bench": benched.fingerprint})
     assert verdict.meta["verdict"] == "rejected" and verdict.meta["champion_after"] == champion_2
     assert verdict.meta["challenger_accept_length"] < verdict.meta["champion_accept_length"]
     (versus,) = verdict.meta["bench"]["rows"]  # the served drafters say the same: nonsense is not accepted

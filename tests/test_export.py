@@ -28,6 +28,7 @@ from drafter.store import FileStore
 from drafter.target import HFTarget
 from drafter.target_identity import target_fingerprint
 from tests.test_speculative import EOS, build_random_target, successor_pair  # noqa: F401  (fixture)
+from drafter.stages import TABLE
 
 AUX = [0, 1, 2]
 ACC = [0.95, 0.1, 0.05]  # training's per-position accuracies
@@ -97,8 +98,8 @@ def test_good_export_is_written_checked_judged_committed_and_skipped(stage_env):
     target, draft, store, upstream, tmp = stage_env
     cfg = _cfg(target, tmp)
     lines = []
-    result = export.run(cfg, store, upstream=upstream, on_line=lines.append)
-    assert result.status == "done" and result.fingerprint == export.fingerprint(cfg, upstream)
+    result = TABLE.run("export", cfg, store, upstream=upstream, on_line=lines.append)
+    assert result.status == "done" and result.fingerprint == TABLE.fingerprint("export", cfg, upstream)
     names = {s.name for s in result.manifest.shards}
     assert names == {"sglang/config.json", "sglang/model.safetensors", "vllm/config.json",
                      "vllm/model.safetensors", "export.json", "judge.json"}
@@ -116,10 +117,10 @@ def test_good_export_is_written_checked_judged_committed_and_skipped(stage_env):
     assert any("offline accept length" in line for line in lines)
     assert judge["prompts_past_train_max_length"] == 0 and not any("WARNING" in s for s in result.summary)
 
-    again = export.run(cfg, store, upstream=upstream)
+    again = TABLE.run("export", cfg, store, upstream=upstream)
     assert again.skipped and again.manifest == result.manifest
     # prepare found through the chain (train -> dump -> prepare) gives the same output
-    assert export.run(cfg, store, upstream={"train": upstream["train"]}).skipped
+    assert TABLE.run("export", cfg, store, upstream={"train": upstream["train"]}).skipped
 
     local = export.write_local(store, result.fingerprint, tmp / "local")
     assert load_drafter(local["sglang"]).config.aux_layer_ids == AUX
@@ -131,7 +132,7 @@ def test_prompts_past_the_trained_length_are_counted_and_warned(stage_env):
     target, draft, store, upstream, tmp = stage_env
     cfg = _cfg(target, tmp)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_length": 16})})
-    result = export.run(cfg, store, upstream=upstream)
+    result = TABLE.run("export", cfg, store, upstream=upstream)
     judge = result.meta["judge"]
     assert judge["train_max_length"] == 16 and judge["prompts_past_train_max_length"] == judge["prompts"] == 4
     assert any(s.startswith("WARNING: 4 of 4 judged prompts run past train.max_length 16") for s in result.summary)
@@ -139,10 +140,10 @@ def test_prompts_past_the_trained_length_are_counted_and_warned(stage_env):
 
 def test_fingerprint_follows_output_fields_not_operational_ones(stage_env):
     target, _, _, upstream, tmp = stage_env
-    fp = export.fingerprint(_cfg(target, tmp), upstream)
-    assert export.fingerprint(_cfg(target, tmp, device="cuda"), upstream) == fp
-    assert export.fingerprint(_cfg(target, tmp, judge_num_steps=2), upstream) != fp
-    assert export.fingerprint(_cfg(target, tmp), {"train": "other0001"}) != fp
+    fp = TABLE.fingerprint("export", _cfg(target, tmp), upstream)
+    assert TABLE.fingerprint("export", _cfg(target, tmp, device="cuda"), upstream) == fp
+    assert TABLE.fingerprint("export", _cfg(target, tmp, judge_num_steps=2), upstream) != fp
+    assert TABLE.fingerprint("export", _cfg(target, tmp), {"train": "other0001"}) != fp
 
 
 def test_sglang_export_keys_shapes_and_config_fields(pair, tmp_path):
@@ -325,7 +326,7 @@ def test_planted_drafter_trained_for_another_target(pair, eval_conversations, tm
     store = FileStore(tmp_path / "store")
     upstream = _commit_upstreams(store, tmp_path, target, draft, eval_conversations, target_fp="feedfacefeedface")
     with pytest.raises(ExportError, match="trained for another target.*feedfacefeedface") as err:
-        export.run(_cfg(target, tmp_path), store, upstream=upstream)
+        TABLE.run("export", _cfg(target, tmp_path), store, upstream=upstream)
     assert not err.value.retryable
     other = build_random_target(target, tmp_path / "other-target", seed=4)
     with pytest.raises(JudgedTooLow, match="min_accept_length"):
@@ -341,17 +342,17 @@ def test_stage_refuses_a_trained_drafter_with_shifted_ids(pair, eval_conversatio
     store = FileStore(tmp_path / "store")
     upstream = _commit_upstreams(store, tmp_path, target, bad, eval_conversations)
     with pytest.raises(ExportCheckFailed, match=r"aux layer ids \[1, 2, 3\], the configuration \[0, 1, 2\]"):
-        export.run(_cfg(target, tmp_path), store, upstream=upstream)
+        TABLE.run("export", _cfg(target, tmp_path), store, upstream=upstream)
 
 
 def test_stage_fails_when_judged_below_the_prediction(stage_env):
     target, _, store, upstream, tmp = stage_env
     with pytest.raises(JudgedTooLow, match=r"min_accept_ratio 0.99 x training prediction 2.050") as err:
-        export.run(_cfg(target, tmp, min_accept_ratio=0.99), store, upstream=upstream)
+        TABLE.run("export", _cfg(target, tmp, min_accept_ratio=0.99), store, upstream=upstream)
     assert isinstance(err.value, DrafterError) and not err.value.retryable
     with pytest.raises(JudgedTooLow, match=r"min_accept_length 2.5"):
-        export.run(_cfg(target, tmp, min_accept_length=2.5), store, upstream=upstream)
-    assert not StageOutput(store, "export", export.fingerprint(_cfg(target, tmp, min_accept_length=2.5),
+        TABLE.run("export", _cfg(target, tmp, min_accept_length=2.5), store, upstream=upstream)
+    assert not StageOutput(store, "export", TABLE.fingerprint("export", _cfg(target, tmp, min_accept_length=2.5),
                                                                upstream)).is_complete()
 
 

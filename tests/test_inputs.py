@@ -9,6 +9,7 @@ import sys
 import pytest
 import yaml
 
+from drafter.stages import TABLE
 from drafter import cli
 from drafter.config import ConfigError, StorageConfig, load_config, parse_config
 from drafter.stage_output import EmptyOutput
@@ -101,7 +102,7 @@ def test_every_bad_row_is_quarantined_with_its_reason(tmp_path):
     cfg = parse_config({"target": {"path": str(tmp_path)}, "storage": {"root": f"file://{tmp_path}/store"},
                         "data": {"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0}})
     store = open_store(cfg.storage)
-    result = prepare.run(cfg, store)
+    result = TABLE.run("prepare", cfg, store)
     assert result.meta["kept"] == 1
     assert result.meta["quarantined"] == {"invalid_unicode": 1, "json_decode": 1, "json_too_deep": 1}
     from drafter.stage_output import StageOutput
@@ -118,9 +119,9 @@ def test_a_corpus_with_no_usable_row_is_an_error_unless_allowed(tmp_path):
             "data": {"sources": [{"kind": "jsonl", "path": str(corpus)}]}}
     store = open_store(StorageConfig(root=f"file://{tmp_path}/store"))
     with pytest.raises(EmptyOutput, match=r"kept 0 conversations of 2 rows read .*'bad_content': 1, 'no_turns': 1"):
-        prepare.run(parse_config(data), store)
+        TABLE.run("prepare", parse_config(data), store)
     data["data"]["allow_empty"] = True
-    assert prepare.run(parse_config(data), store).meta["kept"] == 0
+    assert TABLE.run("prepare", parse_config(data), store).meta["kept"] == 0
 
 
 def test_datagen_commits_without_a_server_and_refuses_an_empty_output(tmp_path, fakes):

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from drafter.stages import TABLE
 from drafter import cli
 from drafter.stage_output import CorruptObject, StageOutput
 from drafter.stages import prepare
@@ -29,7 +30,7 @@ def _prepared(tmp_path):
     path = profile(tmp_path, data={"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.2})
     cfg = load_config(path)
     store = open_store(cfg.storage)
-    return path, cfg, store, prepare.run(cfg, store)
+    return path, cfg, store, TABLE.run("prepare", cfg, store)
 
 
 def test_recommit_verifies_shards_and_verify_rehashes_end_to_end(tmp_path, monkeypatch, capsys):
@@ -45,10 +46,10 @@ def test_recommit_verifies_shards_and_verify_rehashes_end_to_end(tmp_path, monke
     assert code == 4 and "train.jsonl: corrupt object" in err and "sha256 mismatch" in err
     (shard.parent / "_SUCCESS.json").unlink()
     with pytest.raises(CorruptObject, match=r"1 of 3 shards failed verification before commit .*train.jsonl"):
-        prepare.run(cfg, store)
+        TABLE.run("prepare", cfg, store)
     assert not (shard.parent / "_SUCCESS.json").exists()
     assert "train.jsonl" not in out.completed_shards()  # its marker is gone: the next run redoes it
-    again = prepare.run(cfg, store)
+    again = TABLE.run("prepare", cfg, store)
     assert again.status == "done" and again.meta == first.meta
     monkeypatch.setattr(sys, "argv", ["drafter", "verify", out.uri])
     with pytest.raises(SystemExit) as done:
@@ -66,7 +67,7 @@ def test_a_flipped_shard_under_an_intact_success_marker_is_repaired(tmp_path, mo
     path, cfg, store, first = _prepared(tmp_path)
     _flip_a_byte(tmp_path / "store" / "prepare" / first.fingerprint / "train.jsonl")
 
-    assert prepare.run(cfg, store).status == "skipped"  # sizes match: looks complete
+    assert TABLE.run("prepare", cfg, store).status == "skipped"  # sizes match: looks complete
     fix = "to redo it, run `drafter verify --repair prepare -c PROFILE` (the profile that made it), then run prepare again"
     with pytest.raises(CorruptObject, match="sha256 mismatch on read") as err:
         load_prepared(store, first.fingerprint, "train")  # what datagen and dump read
@@ -76,7 +77,7 @@ def test_a_flipped_shard_under_an_intact_success_marker_is_repaired(tmp_path, mo
 
     code, err = drafter(monkeypatch, capsys, "verify", "--repair", "prepare", "-c", path)  # what the message says
     assert code == 0 and "train.jsonl" in err and "set aside: " in err, err
-    again = prepare.run(cfg, store)
+    again = TABLE.run("prepare", cfg, store)
     assert again.status == "done" and again.meta == first.meta
     code, err = drafter(monkeypatch, capsys, "verify", "prepare", "-c", path)
     assert code == 0, err

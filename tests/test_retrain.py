@@ -13,7 +13,7 @@ from drafter.formats import iter_dump_samples, iter_generations, load_prepared
 from drafter.retrain.registry import Registry, RegistryError
 from drafter.retrain.verdict import compare
 from drafter.stage_output import StageOutput, to_jsonl
-from drafter.stages import datagen, dump, prepare
+from drafter.stages import TABLE, datagen, dump, prepare
 from drafter.store import CorruptObject, FileStore, open_store
 from tests.test_datagen import FakeOpenAI, fakes, sharegpt, with_datagen  # noqa: F401 (fixture)
 
@@ -39,17 +39,17 @@ def test_folder_source_versions_by_content_and_keeps_ids(tmp_path):
     write_file(folder, "day-1.jsonl", [{"prompt": f"question {i}"} for i in range(3)])
     cfg = folder_cfg(folder, StorageConfig(root=f"file://{tmp_path / 'store'}"))
     store = open_store(cfg.storage)
-    v1 = prepare.run(cfg, store)
+    v1 = TABLE.run("prepare", cfg, store)
     assert [c["id"] for c in load_prepared(store, v1.fingerprint, "train")] == [
         "day-1.jsonl:0", "day-1.jsonl:1", "day-1.jsonl:2"]
-    assert prepare.run(cfg, store).skipped
+    assert TABLE.run("prepare", cfg, store).skipped
     write_file(folder, "day-2.jsonl", [{"prompt": "question 9"}])
-    v2 = prepare.run(cfg, store)
+    v2 = TABLE.run("prepare", cfg, store)
     assert v2.fingerprint != v1.fingerprint and not v2.skipped
     assert StageOutput(store, "prepare", v1.fingerprint).is_complete()  # the old version is untouched
     assert [c["id"] for c in load_prepared(store, v2.fingerprint, "train")][-1] == "day-2.jsonl:0"
     (folder / "day-2.jsonl").write_text(json.dumps({"prompt": "question 10"}) + "\n")  # same name, new content
-    assert prepare.fingerprint(cfg) not in (v1.fingerprint, v2.fingerprint)
+    assert TABLE.fingerprint("prepare", cfg) not in (v1.fingerprint, v2.fingerprint)
 
 
 @pytest.mark.s3
@@ -63,10 +63,10 @@ def test_s3_prefix_source(s3_storage_config, tmp_path):
     cfg = parse_config({"target": {"path": "/nonexistent"}, "data": {"sources": [source], "eval_fraction": 0},
                         "storage": {"root": f"file://{tmp_path / 'store'}"}})
     store = open_store(cfg.storage)
-    result = prepare.run(cfg, store)
+    result = TABLE.run("prepare", cfg, store)
     assert [c["id"] for c in load_prepared(store, result.fingerprint, "train")] == ["a1", "b1"]
     src_store.put_bytes("incoming/c.jsonl", b'{"id": "c1", "prompt": "third"}\n')
-    assert prepare.fingerprint(cfg) != result.fingerprint
+    assert TABLE.fingerprint("prepare", cfg) != result.fingerprint
 
 
 # ---- incremental datagen
@@ -78,13 +78,13 @@ def test_datagen_asks_only_new_conversations_and_references_earlier_shards(tmp_p
     write_file(folder, "day-1.jsonl", [sharegpt(i) for i in range(10)])
     cfg = folder_cfg(folder, StorageConfig(root=f"file://{tmp_path / 'store'}"), server_urls=[fake.url])
     store = open_store(cfg.storage)
-    first = datagen.run(cfg, store, upstream={"prepare": prepare.run(cfg, store).fingerprint})
+    first = TABLE.run("datagen", cfg, store, upstream={"prepare": TABLE.run("prepare", cfg, store).fingerprint})
     assert len(fake.prompts) == 10 and first.meta["reuse"]["linked_shards"] == 0
 
     write_file(folder, "day-2.jsonl", [sharegpt(i) for i in range(10, 13)])
     fake.received.clear()
-    v2 = prepare.run(cfg, store).fingerprint
-    second = datagen.run(cfg, store, upstream={"prepare": v2})
+    v2 = TABLE.run("prepare", cfg, store).fingerprint
+    second = TABLE.run("datagen", cfg, store, upstream={"prepare": v2})
     assert sorted(fake.prompts) == ["question 10.0", "question 11.0", "question 12.0"]
     reuse = second.meta["reuse"]
     assert (reuse["linked_shards"], reuse["linked_conversations"], reuse["asked_conversations"]) == (3, 10, 3)
@@ -98,14 +98,14 @@ def test_datagen_asks_only_new_conversations_and_references_earlier_shards(tmp_p
     # whole, its other answers are copied; nothing is asked.
     write_file(folder, "day-1.jsonl", [sharegpt(i) for i in range(10) if i != 1])
     fake.received.clear()
-    third = datagen.run(cfg, store, upstream={"prepare": prepare.run(cfg, store).fingerprint})
+    third = TABLE.run("datagen", cfg, store, upstream={"prepare": TABLE.run("prepare", cfg, store).fingerprint})
     assert fake.prompts == [] and third.meta["reuse"]["copied_conversations"] == 3
     assert sorted(r["id"] for r in iter_generations(store, third.manifest)) == sorted(
         f"c{i:03d}" for i in range(13) if i != 1)
     # Other settings are other work: nothing is reused across them.
     hotter = with_datagen(cfg, temperature=0.7)
     fake.received.clear()
-    datagen.run(hotter, store, upstream={"prepare": v2})
+    TABLE.run("datagen", hotter, store, upstream={"prepare": v2})
     assert len(fake.prompts) == 13
 
 
@@ -134,9 +134,9 @@ def test_dump_references_earlier_shards_and_checks_them_on_read(tmp_path, tiny_t
              for c in tiny_conversations[:8]]
     store = FileStore(tmp_path / "store")
     cfg = dump_cfg(tiny_target, f"file://{tmp_path / 'store'}")
-    first = dump.run(cfg, store, upstream={"prepare": put_prepared(store, "prep1", convs[:6])})
+    first = TABLE.run("dump", cfg, store, upstream={"prepare": put_prepared(store, "prep1", convs[:6])})
     assert first.meta["reuse"]["linked_shards"] == 0 and first.meta["num_shards"] == 2
-    second = dump.run(cfg, store, upstream={"prepare": put_prepared(store, "prep2", convs)})
+    second = TABLE.run("dump", cfg, store, upstream={"prepare": put_prepared(store, "prep2", convs)})
     reuse = second.meta["reuse"]
     assert (reuse["linked_shards"], reuse["computed_shards"], reuse["computed_records"]) == (2, 1, 2)
     assert reuse["earlier_outputs"] == [first.fingerprint]
@@ -162,7 +162,7 @@ def test_dump_references_earlier_shards_and_checks_them_on_read(tmp_path, tiny_t
     victim.unlink()
     assert not StageOutput(store, "dump", second.fingerprint).is_complete()
     StageOutput(store, "dump", first.fingerprint).reset()
-    redone = dump.run(cfg, store, upstream={"prepare": "prep2"})
+    redone = TABLE.run("dump", cfg, store, upstream={"prepare": "prep2"})
     assert not redone.skipped and redone.meta["reuse"]["computed_shards"] == 3
     assert StageOutput(store, "dump", second.fingerprint).is_complete()
 
@@ -280,14 +280,14 @@ def test_champion_stage_a_failed_bench_vetoes_even_the_first_drafter(tmp_path):
         return fp
 
     crashed = {"challenger-eagle3-s1-k1-d2": {"config": "challenger EAGLE3 1/1/2", "kind": "crashed"}}
-    vetoed = champion_stage.run(cfg, store, upstream={"export": "e1", "prepare": "p1", "bench": bench("b1", crashed)})
+    vetoed = TABLE.run("champion", cfg, store, upstream={"export": "e1", "prepare": "p1", "bench": bench("b1", crashed)})
     assert vetoed.meta["verdict"] == "rejected" and "the challenger's server failed" in vetoed.meta["reason"]
     assert reg.champion_export() is None and reg.decisions()[-1]["bench"]["problems"]
-    fine = champion_stage.run(cfg, store, upstream={"export": "e1", "prepare": "p1", "bench": bench("b2", {})})
+    fine = TABLE.run("champion", cfg, store, upstream={"export": "e1", "prepare": "p1", "bench": bench("b2", {})})
     assert fine.meta["verdict"] == "promoted" and reg.champion_export() == "e1"
     assert fine.meta["bench"]["rows"] == [{"setting": "challenger EAGLE3 1/1/2", "batch_size": 1, "rounds": 2,
                                            "challenger_speedup": 0.8, "challenger_accept_length": 1.4}]
     assert any("speedup vs baseline" in row["figure"] for row in fine.table)
     # the re-run finds the same pair (the challenger now faces the champion it replaced: none) and skips
-    again = champion_stage.run(cfg, store, upstream={"export": "e1", "prepare": "p1", "bench": "b2"})
+    again = TABLE.run("champion", cfg, store, upstream={"export": "e1", "prepare": "p1", "bench": "b2"})
     assert again.skipped and again.meta["verdict"] == "promoted"

@@ -134,7 +134,7 @@ def test_datagen_keeps_sglangs_own_token_ids_and_they_reach_the_dump(server, lay
 
     from drafter.config import DumpConfig, StorageConfig, TargetConfig
     from drafter.formats import iter_dump_samples, iter_generations
-    from drafter.stages import dump
+    from drafter.stages import TABLE
     from drafter.store import open_store
     from tests.test_datagen import make_cfg, prepared, run_datagen, sharegpt
     from tests.test_speculative import EOS, succ_map
@@ -173,7 +173,7 @@ def test_datagen_keeps_sglangs_own_token_ids_and_they_reach_the_dump(server, lay
     dump_cfg = cfg.model_copy(update={
         "dump": DumpConfig(upstream="datagen", aux_layer_ids=AUX, devices=["cpu"], max_length=512),
         "train": cfg.train.model_copy(update={"draft_vocab_size": 256})})
-    dumped = dump.run(dump_cfg, store, upstream={"datagen": result.manifest.fingerprint})
+    dumped = TABLE.run("dump", dump_cfg, store, upstream={"datagen": result.manifest.fingerprint})
     assert dumped.manifest.meta["samples_from_token_ids"] == 2
     samples = list(iter_dump_samples(store, dumped.manifest, expect_aux_layer_ids=AUX))
     assert sorted(s["id"] for s in samples) == ["c000", "c001"]

@@ -41,10 +41,15 @@ def corpus_config(tmp_path) -> LifecycleConfig:
 
 
 def test_every_stage_module_has_the_contract():
+    """The four parts (drafter.stages.base) and what it needs; the skeleton is the table's alone."""
     for stage in STAGES:
         code = stage.code
-        assert callable(code.fingerprint) and callable(code.run), stage.name
+        stores = code.fingerprint.__annotations__.get("return") != "None"  # serve: no stored output
+        for part in ("needs", "inputs", "fingerprint", "build", *(("summarize",) if stores else ())):
+            assert callable(getattr(code, part, None)), (stage.name, part)
+        assert not hasattr(code, "run"), f"{stage.name}: the table runs the skeleton, not the module"
         assert stage.module == f"drafter.stages.{stage.name}"
+        assert (stage.verdict is not None) == stage.gate
 
 
 def test_upstream_wiring_comes_from_the_table(tmp_path):
@@ -59,9 +64,12 @@ def test_upstream_wiring_comes_from_the_table(tmp_path):
         TABLE.in_order(["prepare", "nope"])
 
 
-def test_unknown_upstream_in_a_row_is_refused():
-    with pytest.raises(ValueError, match="unknown upstream"):
-        StageTable([Stage("b", "tests.fixtures.fake_stage", "b", upstream=("a",))])
+def test_a_stage_needing_an_unknown_stage_is_refused(tmp_path):
+    table = StageTable([Stage("count", "tests.fixtures.fake_stage", "count")])  # needs prepare, not in this table
+    with pytest.raises(KeyError, match="needs unknown stages \\['prepare'\\]"):
+        table.run("count", corpus_config(tmp_path), upstream={})
+    with pytest.raises(ValueError, match="share a name"):
+        StageTable([*STAGES, STAGES[0]])
 
 
 @pytest.mark.parametrize("section", STAGE_SECTIONS)
@@ -97,8 +105,7 @@ def test_a_new_stage_is_one_module_and_one_row(tmp_path, tiny_target, prefect_se
     from flows.lifecycle import lifecycle_flow
     from drafter.stages import prepare
 
-    table = StageTable([*STAGES, Stage("count", "tests.fixtures.fake_stage", "count the prompts",
-                                       upstream=("prepare",))])
+    table = StageTable([*STAGES, Stage("count", "tests.fixtures.fake_stage", "count the prompts")])
     cfg = corpus_config(tmp_path)
     cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(tiny_target)})})
     run = lifecycle_flow(table)
@@ -114,7 +121,7 @@ def test_a_new_stage_is_one_module_and_one_row(tmp_path, tiny_target, prefect_se
     with get_client(sync_client=True) as client:
         messages = all_log_messages(client)
     assert any(m.startswith("count: error (ObjectNotFound): prepare is not committed") for m in messages), messages
-    prepared = prepare.fingerprint(cfg)
+    prepared = TABLE.fingerprint("prepare", cfg)
     assert first["prepare"]["status"] == "done" and first["count"]["status"] == "done"
     assert first["count"]["meta"] == {"conversations": 9, "prepare": prepared}
     assert again["count"]["status"] == "skipped" and "prepare" not in again
@@ -134,11 +141,9 @@ def test_a_refusing_gate_ends_the_run_failed_with_its_reason(tmp_path, tiny_targ
                                                 FlowRunFilter, FlowRunFilterId)
 
     from flows.lifecycle import NOT_RUN, lifecycle_flow
-    from tests.fixtures import gate_stage
 
-    table = StageTable([*STAGES, Stage("gate", "tests.fixtures.gate_stage", "let enough prompts through",
-                                       upstream=("prepare",), verdict=gate_stage.verdict),
-                        Stage("count", "tests.fixtures.fake_stage", "count the prompts", upstream=("prepare",))])
+    table = StageTable([*STAGES, Stage("gate", "tests.fixtures.gate_stage", "let enough prompts through", gate=True),
+                        Stage("count", "tests.fixtures.fake_stage", "count the prompts")])
     cfg = corpus_config(tmp_path)
     cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(tiny_target)})})
     strict = cfg.model_copy(update={"export": cfg.export.model_copy(update={"min_accept_length": 100.0})})

@@ -4,6 +4,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
+from drafter.stages import TABLE
 import drafter.target_identity as identity
 from drafter.config import parse_config
 from drafter.stages import datagen
@@ -58,6 +59,6 @@ def test_missing_weights_are_an_error(tmp_path):
 def test_datagen_output_is_not_reused_for_a_retrained_target(target_copy):
     cfg = parse_config({"target": {"path": str(target_copy)}, "train": {"draft_vocab_size": 64},
                         "dump": {"aux_layer_ids": [0, 1, 2]}})
-    before = datagen.fingerprint(cfg, {"prepare": "prep"})
+    before = TABLE.fingerprint("datagen", cfg, {"prepare": "prep"})
     retrain(target_copy)
-    assert datagen.fingerprint(cfg, {"prepare": "prep"}) != before
+    assert TABLE.fingerprint("datagen", cfg, {"prepare": "prep"}) != before

@@ -24,7 +24,7 @@ import pytest
 from drafter.config import config_to_yaml
 from drafter.errors import DrafterError
 from drafter.serving import procs
-from drafter.stages import train
+from drafter.stages import TABLE, train
 from drafter.store import FileStore
 from drafter.target_identity import target_fingerprint
 from drafter.training import checkpoint as ckpt
@@ -138,7 +138,7 @@ def test_kill_9_of_drafter_train_ends_torchrun_and_its_ranks(env, launch):
     _target, store, dump_fp, _tmp = env
     cfg = _cfg(env, max_steps=FOREVER, save_every_steps=2, nproc_per_node=2, parallel="ddp")
     run = launch(cfg)
-    run.wait_for_checkpoint(store, train.fingerprint(cfg, {"dump": dump_fp}))
+    run.wait_for_checkpoint(store, TABLE.fingerprint("train", cfg, {"dump": dump_fp}))
     argvs = [" ".join(procs.cmdline(pid) or []) for pid in run.trainers]
     assert sum("torch.distributed.run" in a for a in argvs) == 1, argvs
     assert sum("drafter.stages.train" in a and "torch.distributed.run" not in a for a in argvs) == 2, argvs
@@ -156,12 +156,12 @@ def test_kill_9_of_drafter_train_ends_torchrun_and_its_ranks(env, launch):
 def test_a_second_run_of_the_same_output_is_refused_by_name(env, launch):
     _target, store, dump_fp, tmp = env
     cfg = _cfg(env, max_steps=400, save_every_steps=2)
-    fp = train.fingerprint(cfg, {"dump": dump_fp})
+    fp = TABLE.fingerprint("train", cfg, {"dump": dump_fp})
     first = launch(cfg, delay_s=0.5)
     first.wait_for_checkpoint(store, fp)
 
     with pytest.raises(DrafterError) as err:
-        train.run(cfg, store, upstream={"dump": dump_fp})
+        TABLE.run("train", cfg, store, upstream={"dump": dump_fp})
     message = str(err.value)
     pid = first.proc.pid
     assert f"pid {pid} on {socket.gethostname()}" in message and f"kill {pid}" in message, message
@@ -183,7 +183,7 @@ def test_a_second_run_of_the_same_output_is_refused_by_name(env, launch):
 def test_a_rerun_removes_the_temp_dirs_of_dead_runs_and_says_so(env, launch, caplog):
     _target, store, dump_fp, tmp = env
     cfg = _cfg(env, max_steps=12, save_every_steps=4)
-    fp = train.fingerprint(cfg, {"dump": dump_fp})
+    fp = TABLE.fingerprint("train", cfg, {"dump": dump_fp})
     dead = launch(cfg, delay_s=1.0)
     step = dead.wait_for_checkpoint(store, fp)
     dead.proc.send_signal(signal.SIGKILL)
@@ -192,7 +192,7 @@ def test_a_rerun_removes_the_temp_dirs_of_dead_runs_and_says_so(env, launch, cap
     assert stale  # what kill -9 leaves
 
     caplog.set_level("WARNING")
-    result = train.run(cfg, store, upstream={"dump": dump_fp})
+    result = TABLE.run("train", cfg, store, upstream={"dump": dump_fp})
     assert result.status == "done" and result.manifest.meta["resumed_from_step"] >= step
     assert not [p for p in stale if p.exists()]
     for path in stale:
@@ -257,7 +257,7 @@ def test_sigterm_of_drafter_train_exits_143_after_a_checkpoint(env, launch, npro
     cfg = _cfg(env, max_steps=FOREVER, save_every_steps=2, nproc_per_node=nproc,
                **({"parallel": "ddp"} if nproc > 1 else {}))
     run = launch(cfg)
-    fp = train.fingerprint(cfg, {"dump": dump_fp})
+    fp = TABLE.fingerprint("train", cfg, {"dump": dump_fp})
     first = run.wait_for_checkpoint(store, fp)
     run.proc.send_signal(signal.SIGTERM)  # the trainer's handler is in place once a checkpoint exists
     code = run.proc.wait(timeout=180)
@@ -276,7 +276,7 @@ def main(spec_file: str) -> None:
 
     spec = json.loads(Path(spec_file).read_text())
     fingerprints = TABLE.fingerprints
-    TABLE.fingerprints = lambda cfg, known=None: fingerprints(cfg, {"dump": spec["dump"]})
+    TABLE.fingerprints = lambda cfg, known=None, store=None: fingerprints(cfg, {"dump": spec["dump"]}, store)
     if spec["delay_s"]:
         bar = cli._progress_bar
 

@@ -25,7 +25,7 @@ def test_train_stage_commits_a_loadable_drafter_and_skips_on_rerun(env):
     target, store, dump_fp, tmp = env
     cfg = make_cfg(target, f"file://{tmp}/store", max_steps=6, epochs=4)
     seen = []
-    result = train.run(cfg, store, upstream={"dump": dump_fp}, progress=lambda *a: seen.append(a))
+    result = TABLE.run("train", cfg, store, upstream={"dump": dump_fp}, progress=lambda *a: seen.append(a))
     assert result.status == "done" and result.fingerprint == TABLE.fingerprints(cfg, {"dump": dump_fp})["train"]
     names = {s.name for s in result.manifest.shards}
     assert set(TRAINED_DRAFTER_FILES) | {"metrics.jsonl", "curves.png"} == names
@@ -38,18 +38,18 @@ def test_train_stage_commits_a_loadable_drafter_and_skips_on_rerun(env):
     rows = StageOutput.committed(store, "train", result.fingerprint).read_jsonl("metrics.jsonl")
     assert {r["split"] for r in rows} == {"train", "eval"}
 
-    again = train.run(cfg, store, upstream={"dump": dump_fp})
+    again = TABLE.run("train", cfg, store, upstream={"dump": dump_fp})
     assert again.skipped and again.manifest == result.manifest
 
 
 def test_train_fingerprint_follows_what_changes_the_drafter(env):
     target, store, dump_fp, tmp = env
     cfg = make_cfg(target, f"file://{tmp}/store", max_steps=6)
-    fp = train.fingerprint(cfg, {"dump": dump_fp})
+    fp = TABLE.fingerprint("train", cfg, {"dump": dump_fp})
     faster = make_cfg(target, f"file://{tmp}/store", max_steps=6, log_every_steps=3, cache_shards=4)
-    assert train.fingerprint(faster, {"dump": dump_fp}) == fp  # operational fields
-    assert train.fingerprint(make_cfg(target, f"file://{tmp}/store", max_steps=7), {"dump": dump_fp}) != fp
-    assert train.fingerprint(cfg, {"dump": "another0"}) != fp
+    assert TABLE.fingerprint("train", faster, {"dump": dump_fp}) == fp  # operational fields
+    assert TABLE.fingerprint("train", make_cfg(target, f"file://{tmp}/store", max_steps=7), {"dump": dump_fp}) != fp
+    assert TABLE.fingerprint("train", cfg, {"dump": "another0"}) != fp
 
 
 def test_missing_dump_is_named(env):
@@ -57,14 +57,14 @@ def test_missing_dump_is_named(env):
 
     target, store, _, tmp = env
     with pytest.raises(ObjectNotFound, match="dump is not committed"):
-        train.run(make_cfg(target, f"file://{tmp}/store", max_steps=2), store, upstream={"dump": "nope0000"})
+        TABLE.run("train", make_cfg(target, f"file://{tmp}/store", max_steps=2), store, upstream={"dump": "nope0000"})
 
 
 def test_two_processes_under_torchrun_launched_by_the_stage(env):
     target, store, dump_fp, tmp = env
     cfg = make_cfg(target, f"file://{tmp}/store", max_steps=4, nproc_per_node=2, parallel="ddp")
     lines = []
-    result = train.run(cfg, store, upstream={"dump": dump_fp}, on_line=lines.append)
+    result = TABLE.run("train", cfg, store, upstream={"dump": dump_fp}, on_line=lines.append)
     assert result.manifest.meta["world_size"] == 2 and result.manifest.meta["steps"] == 4
     assert lines  # the ranks' output reached the caller (the Prefect run log)
     assert json.loads(StageOutput.committed(store, "train", result.fingerprint)

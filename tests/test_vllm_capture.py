@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafter.stages import TABLE
 from drafter.config import parse_config
 from drafter.capture.shards import TENSORS, HiddenStateShard
 from drafter.stage_output import StageOutput, to_jsonl
@@ -56,7 +57,7 @@ def _run(target, store_root: Path, conversations, python: str, **dump_section):
         "dump": {"aux_layer_ids": AUX, "max_length": 160, "samples_per_shard": 3, "devices": ["cpu"],
                  "upstream": "prepare", "python": python, **dump_section},
         "serve": {"env": VLLM_CPU_ENV}, "train": {"draft_vocab_size": 256}, "storage": {"root": f"file://{store_root}"}})
-    return store, dump.run(cfg, store, upstream={"prepare": "prep0000"})
+    return store, TABLE.run("dump", cfg, store, upstream={"prepare": "prep0000"})
 
 
 def test_vllm_backend_shards_match_the_hf_backend(random_target, tiny_conversations, vllm_py, tmp_path):

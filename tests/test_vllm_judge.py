@@ -17,6 +17,7 @@ from tests.test_export import RATE, _commit_upstreams
 from tests.fixtures.layered import AUX, export_pair, layered_pair  # noqa: F401  (fixture)
 from tests.fixtures.net import free_port
 from tests.fixtures.vllm_env import vllm_py, vllm_serve_section  # noqa: F401  (fixture)
+from drafter.stages import TABLE
 
 JUDGE = dict(eval_prompts=4, judge_max_new_tokens=40, judge_num_steps=3, device="cpu", judge_bucket_edges=[8, 16, 32])
 
@@ -37,7 +38,7 @@ def test_export_stage_judges_with_vllm_and_both_judges_agree(layered_pair, tiny_
     store = FileStore(tmp_path / "store")
     upstream = _commit_upstreams(store, tmp_path, target, draft, tiny_conversations[200:], aux=AUX)
     cfg = _cfg(target, vllm_py, tmp_path)
-    result = export.run(cfg, store, upstream=upstream)
+    result = TABLE.run("export", cfg, store, upstream=upstream)
     judge = result.meta["judge"]
     ref, vllm = judge, judge["vllm"]
     # the crafted pair: one draft accepted per verify on x+1 runs, identically in both engines
@@ -50,8 +51,8 @@ def test_export_stage_judges_with_vllm_and_both_judges_agree(layered_pair, tiny_
     assert any(s.startswith("vLLM judge (vllm 0.32.0): accept length 2.000") for s in result.summary)
     assert vllm["layer_ids"]["ids"] == [2, 3, 4]
     # the judge's port and interpreter are operational: same fingerprint
-    assert export.fingerprint(_cfg(target, "/other/python", tmp_path), upstream) == result.fingerprint
-    assert export.fingerprint(_cfg(target, vllm_py, tmp_path, judge_agreement_tolerance=0.2), upstream) \
+    assert TABLE.fingerprint("export", _cfg(target, "/other/python", tmp_path), upstream) == result.fingerprint
+    assert TABLE.fingerprint("export", _cfg(target, vllm_py, tmp_path, judge_agreement_tolerance=0.2), upstream) \
         != result.fingerprint
 
 

@@ -1,15 +1,13 @@
-"""The stage table: the one place that says which stages exist, in which order, what each one
-reads, and where its code is. The CLI, the Prefect tasks and the flow all read it; none of them
-wires stages together on its own.
+"""The stage table: the one place that says which stages exist, in which order, and where each
+one's code is. The CLI (`drafter run STAGE`), the Prefect tasks, the flow and the deployments all
+read it; none of them wires stages together on its own.
 
-Every stage is a module with the same two functions:
-
-    fingerprint(cfg, upstream) -> str | None      # where its output lives (None: no stored output)
-    run(cfg, store, *, upstream, progress=None, on_line=None) -> StageResult
-
-`upstream` maps each upstream stage's name to its fingerprint. Fingerprints are pure functions of
-the configuration, so a stage started alone finds the outputs its upstream stages committed (and
-fails naming them when they were never committed). Adding a stage = one module + one row here.
+A row is plain data. What a stage reads (`needs`), how it resolves and fingerprints its inputs and
+what it builds is its module's (the four parts in drafter.stages.base); the skip / commit skeleton
+is drafter.stages.base.run_stage, once for all. Fingerprints are pure functions of the resolved
+inputs, so a stage started alone finds the outputs its upstream stages committed (and fails naming
+them when they were never committed). Adding a stage = one module + one row here (+ its config
+section when it has settings of its own).
 """
 from __future__ import annotations
 
@@ -20,9 +18,9 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from drafter.config import LifecycleConfig
-from drafter.outputs import bench_verdict, champion_verdict, export_verdict
-from drafter.stage_output import Progress, StageResult
-from drafter.store import ObjectStore
+from drafter.stage_output import Progress, StageOutput, StageResult
+from drafter.stages.base import StageContext, run_stage
+from drafter.store import ObjectStore, open_store
 
 
 @dataclass(frozen=True)
@@ -30,52 +28,42 @@ class Stage:
     name: str
     module: str                       # imported on first use: `drafter config validate` needs no torch
     description: str
-    upstream: tuple[str, ...] | Callable[[LifecycleConfig], tuple[str, ...]] = ()
     starts_servers: bool = False      # the flow reaps what a cancelled run of it left behind
     retries: int = 3                  # attempts after the first, for errors that are `retryable`
-    # A gate's verdict as markdown, (result, error) -> str | None (drafter.outputs); the Prefect
-    # task publishes it. None for an error that is not the gate's refusal (then the stage failed).
-    verdict: Callable[..., str | None] | None = None
-
-    def refuses(self, error: BaseException) -> bool:
-        """Whether `error` is this gate's refusal (a decision), not a failure of the stage."""
-        return self.verdict is not None and self.verdict(None, error) is not None
-
-    def upstream_of(self, cfg: LifecycleConfig) -> tuple[str, ...]:
-        return self.upstream(cfg) if callable(self.upstream) else self.upstream
+    gate: bool = False                # its module's verdict(result, error) is published (drafter.outputs)
 
     @property
     def code(self) -> ModuleType:
         return importlib.import_module(self.module)
 
+    @property
+    def verdict(self) -> Callable[..., str | None] | None:
+        """A gate's verdict as markdown, (result, error) -> str | None; None for an error that is
+        not the gate's refusal (then the stage failed)."""
+        return self.code.verdict if self.gate else None
+
+    def refuses(self, error: BaseException) -> bool:
+        """Whether `error` is this gate's refusal (a decision), not a failure of the stage."""
+        return self.gate and self.verdict(None, error) is not None
+
+    def upstream_of(self, cfg: LifecycleConfig) -> tuple[str, ...]:
+        return tuple(self.code.needs(cfg))
+
 
 STAGES: tuple[Stage, ...] = (
     Stage("prepare", "drafter.stages.prepare", "normalise, dedupe, filter and split the prompt corpus"),
-    Stage("datagen", "drafter.stages.datagen", "regenerate the answers with the target", upstream=("prepare",),
+    Stage("datagen", "drafter.stages.datagen", "regenerate the answers with the target",
           starts_servers=True, retries=2),
-    Stage("dump", "drafter.stages.dump", "capture the target's aux + final hidden states",
-          upstream=lambda cfg: (cfg.dump.upstream,)),
-    Stage("train", "drafter.stages.train", "train the EAGLE-3 drafter on the hidden states",
-          upstream=("dump",)),
+    Stage("dump", "drafter.stages.dump", "capture the target's aux + final hidden states"),
+    Stage("train", "drafter.stages.train", "train the EAGLE-3 drafter on the hidden states"),
     Stage("export", "drafter.stages.export", "write the SGLang and vLLM formats, check them, judge the "
-                                             "accept length offline", upstream=("train", "prepare"),
-          verdict=export_verdict),
-    # With `retrain.bench` a head-to-head of this run's export and the champion, read by `champion`;
-    # otherwise this run's export unless the profile names a drafter directory (or `champion`).
+                                             "accept length offline", gate=True),
     Stage("bench", "drafter.stages.bench", "sweep speculative settings against the baseline, interleaved, "
-                                           "with confidence intervals", starts_servers=True, retries=2,
-          verdict=bench_verdict,
-          upstream=lambda cfg: ("prepare", "export") if cfg.retrain.bench or (cfg.bench.speculative and
-                                                                             not cfg.serve.draft_path)
-          else ("prepare",)),
+                                           "with confidence intervals", starts_servers=True, retries=2, gate=True),
     Stage("champion", "drafter.stages.champion", "judge this run's export against the registry's champion on "
-                                                 "the same held-out prompts; promote it only when better",
-          upstream=lambda cfg: ("export", "prepare", "bench") if cfg.retrain.bench else ("export", "prepare"),
-          verdict=champion_verdict),
-    # This run's export, unless the profile names a drafter directory (or `champion`) or serves the target alone.
+                                                 "the same held-out prompts; promote it only when better", gate=True),
     Stage("serve", "drafter.stages.serve", "start the server, gate it on a real generation, read its "
-                                           "settings back, stop it", starts_servers=True, retries=2,
-          upstream=lambda cfg: ("export",) if cfg.serve.speculative is not None and not cfg.serve.draft_path else ()),
+                                           "settings back, stop it", starts_servers=True, retries=2),
 )
 
 
@@ -85,10 +73,8 @@ class StageTable:
     def __init__(self, stages: Iterable[Stage]):
         self.stages = tuple(stages)
         self.by_name = {s.name: s for s in self.stages}
-        for stage in self.stages:
-            unknown = [u for u in (stage.upstream if not callable(stage.upstream) else ()) if u not in self.by_name]
-            if unknown:
-                raise ValueError(f"stage {stage.name!r}: unknown upstream {unknown}")
+        if len(self.by_name) != len(self.stages):
+            raise ValueError(f"two rows share a name: {[s.name for s in self.stages]}")
 
     @property
     def names(self) -> list[str]:
@@ -107,18 +93,51 @@ class StageTable:
             raise KeyError(f"no stage {sorted(unknown)}; stages: {', '.join(self.names)}")
         return [s for s in self.stages if s.name in wanted]
 
-    def fingerprints(self, cfg: LifecycleConfig, known: Mapping[str, str | None] | None = None) -> "Fingerprints":
-        return Fingerprints(self, cfg, known)
+    def fingerprints(self, cfg: LifecycleConfig, known: Mapping[str, str | None] | None = None,
+                     store: ObjectStore | None = None) -> "Fingerprints":
+        return Fingerprints(self, cfg, known, store)
 
-    def run(self, name: str, cfg: LifecycleConfig, store: ObjectStore, *, fingerprints: "Fingerprints | None" = None,
-            progress: Progress | None = None, on_line: Callable[[str], None] | None = None) -> StageResult:
-        """Run one stage with its upstream fingerprints resolved from the table."""
-        fps = fingerprints or self.fingerprints(cfg)
+    def context(self, name: str, cfg: LifecycleConfig, store: ObjectStore | None = None, *,
+                upstream: Mapping[str, str] | None = None, fingerprints: "Fingerprints | None" = None,
+                progress: Progress | None = None, on_line: Callable[[str], None] | None = None,
+                **options) -> StageContext:
+        """The context of one run of `name`: its upstream fingerprints given, or resolved from the table."""
+        store = store if store is not None else open_store(cfg.storage)
+        if upstream is None:
+            upstream = (fingerprints or self.fingerprints(cfg, store=store)).upstream(name)
+        unknown = sorted(set(self.upstream_names(name, cfg)) - set(self.by_name))
+        if unknown:
+            raise KeyError(f"stage {name!r} needs unknown stages {unknown}; stages: {', '.join(self.names)}")
+        return StageContext(cfg=cfg, store=store, upstream=dict(upstream), progress=progress, on_line=on_line,
+                            options=options)
+
+    def upstream_names(self, name: str, cfg: LifecycleConfig) -> tuple[str, ...]:
+        return self[name].upstream_of(cfg)
+
+    def fingerprint(self, name: str, cfg: LifecycleConfig, upstream: Mapping[str, str] | None = None,
+                    store: ObjectStore | None = None) -> str | None:
+        """Where `name`'s output for `cfg` lives (its inputs resolved with the store, then hashed)."""
+        code = self[name].code
+        return code.fingerprint(code.inputs(self.context(name, cfg, store, upstream=upstream)))
+
+    def output(self, name: str, cfg: LifecycleConfig, store: ObjectStore,
+               upstream: Mapping[str, str] | None = None) -> StageOutput:
+        return StageOutput(store, name, self.fingerprint(name, cfg, upstream, store))
+
+    def run(self, name: str, cfg: LifecycleConfig, store: ObjectStore | None = None, *,
+            upstream: Mapping[str, str] | None = None, fingerprints: "Fingerprints | None" = None,
+            progress: Progress | None = None, on_line: Callable[[str], None] | None = None,
+            **options) -> StageResult:
+        """Run one stage (drafter.stages.base.run_stage) with its upstream fingerprints given or
+        resolved from the table; a flow's `fingerprints` records what it produced."""
+        ctx = self.context(name, cfg, store, upstream=upstream, fingerprints=fingerprints, progress=progress,
+                           on_line=on_line, **options)
         try:
-            result = self[name].code.run(cfg, store, upstream=fps.upstream(name), progress=progress, on_line=on_line)
+            result = run_stage(name, self[name].code, ctx)
         finally:
             _release_gpu_cache()
-        fps.record(result)
+        if fingerprints is not None:
+            fingerprints.record(result)
         return result
 
 
@@ -134,17 +153,25 @@ class Fingerprints:
     """Each stage's fingerprint for one configuration, computed at most once; a stage that ran
     records what it produced, so downstream stages read exactly that output."""
 
-    def __init__(self, table: StageTable, cfg: LifecycleConfig, known: Mapping[str, str | None] | None = None):
+    def __init__(self, table: StageTable, cfg: LifecycleConfig, known: Mapping[str, str | None] | None = None,
+                 store: ObjectStore | None = None):
         self.table, self.cfg = table, cfg
+        self._store = store
         self._known: dict[str, str | None] = dict(known or {})
+
+    @property
+    def store(self) -> ObjectStore:
+        if self._store is None:  # opened on first need: fingerprints of prepare alone read no store
+            self._store = open_store(self.cfg.storage)
+        return self._store
 
     def __getitem__(self, name: str) -> str | None:
         if name not in self._known:
-            self._known[name] = self.table[name].code.fingerprint(self.cfg, self.upstream(name))
+            self._known[name] = self.table.fingerprint(name, self.cfg, self.upstream(name), self.store)
         return self._known[name]
 
     def upstream(self, name: str) -> dict[str, str]:
-        return {u: self[u] for u in self.table[name].upstream_of(self.cfg)}
+        return {u: self[u] for u in self.table.upstream_names(name, self.cfg)}
 
     def record(self, result: StageResult | Mapping) -> None:
         """What a stage run produced (a StageResult, or its to_dict() as a Prefect task returns it)."""

@@ -23,24 +23,23 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from drafter.bench import BenchError
 from drafter.bench.plan import BASELINE, SweepPlan, plan_sweep
 from drafter.bench.report import head_to_head_rows, markdown, plot_png, table_rows
-from drafter.bench.stats import head_to_head, summarize
+from drafter.bench.stats import head_to_head
+from drafter.bench.stats import summarize as summarize_measurements
 from drafter.bench.sweep import FIXES, Sweep, failure_name, hardware
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.formats import EXPORT, PREPARE, load_prepared
-from drafter.retrain.registry import CHAMPION, Registry
-from drafter.stages import serve as serve_stage
-from drafter.stage_output import Progress, StageOutput, StageResult
+from drafter.bench.prompts import build_prompts
+from drafter.outputs import bench_verdict as verdict  # noqa: F401  (the gate's verdict, published by the task)
+from drafter.stage_output import StageOutput
 from drafter.stage_output import fingerprint as stage_fingerprint
-from drafter.store import ObjectStore, open_store
-from drafter.target_identity import target_fingerprint, target_identity
+from drafter.stages.base import Built, StageContext, Summary
+from drafter.stages.drafters import Drafters, needs_export, resolve_drafter
+from drafter.target_identity import target_identity
 
 log = logging.getLogger(__name__)
 
@@ -50,122 +49,44 @@ REPORT_SHARDS = ("report.md", "report.json", "report.png")
 _SERVE_NOT_IDENTITY = {"speculative", "draft_path"}
 
 
-def head_to_head_exports(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> dict[str, str]:
-    """`retrain.bench`: the challenger (this run's export) and the champion it faces
-    (Registry.opponent, the same one the champion stage judges it against), when there is one."""
-    challenger = upstream.get(EXPORT)
-    if not challenger:
-        raise BenchError("retrain.bench benches this run's export against the champion: no export upstream")
-    opponent = Registry.for_config(cfg, open_store(cfg.storage)).opponent(challenger)
-    return {"challenger": challenger, **({"champion": opponent} if opponent else {})}
-
-
-def _drafter_identity(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> dict | None:
-    if not cfg.bench.speculative:
-        return None  # a baseline-only sweep needs no drafter
-    if cfg.retrain.bench:
-        return head_to_head_exports(cfg, upstream)
-    if cfg.serve.draft_path == CHAMPION:  # the export that is champion now
-        return {"export": Registry.for_config(cfg, open_store(cfg.storage)).require_champion()}
-    if cfg.serve.draft_path:
-        try:
-            return {"draft_dir": target_fingerprint(cfg.serve.draft_path)}
-        except FileNotFoundError as err:
-            raise BenchError(f"serve.draft_path: {err}") from None
-    fp = upstream.get(EXPORT)
-    if not fp:
-        raise BenchError("bench.speculative is set but there is no drafter: no export upstream and no "
-                         "serve.draft_path")
-    return {"export": fp}
-
-
-def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
-    serve = {k: v for k, v in fingerprint_fields(cfg.serve).items() if k not in _SERVE_NOT_IDENTITY}
-    target = {"served_name": cfg.target.served_name, "dtype": cfg.target.dtype, **target_identity(cfg.target)}
-    return stage_fingerprint(STAGE, {"bench": fingerprint_fields(cfg.bench), "serve": serve, "target": target,
-                                     "drafter": _drafter_identity(cfg, upstream)}, [upstream[PREPARE]])
-
-
-def output(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> StageOutput:
-    return StageOutput(store, STAGE, fingerprint(cfg, upstream))
-
-
-def drafter_paths(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str],
-                  identity: dict | None) -> dict[str, str]:
-    """The drafters the sweep's speculative servers load, by role: `{"": dir}` for one drafter,
-    `{"challenger": dir, "champion": dir}` with `retrain.bench`, `{}` for a baseline-only sweep.
-    `identity`: `_drafter_identity` (which names what is missing)."""
-    if identity is None:
-        return {}
-    if cfg.retrain.bench:
-        return {role: serve_stage.export_dir(cfg, store, fp) for role, fp in identity.items()}
-    return {"": serve_stage.draft_path(cfg, store, upstream)}
-
-
-def target_context(cfg: LifecycleConfig) -> int | None:
-    """The target's context length: `max_position_embeddings` of its config.json (the text model's);
-    None when there is no config.json here or it does not say."""
-    if not (Path(cfg.target.path) / "config.json").is_file():
-        return None
-    from drafter.model import read_target_config
-
-    return read_target_config(cfg.target.path).get("max_position_embeddings")
+def needs(cfg: LifecycleConfig) -> tuple[str, ...]:
+    """With `retrain.bench` a head-to-head of this run's export and the champion; otherwise this
+    run's export unless the profile names a drafter directory (or `champion`)."""
+    return (PREPARE, EXPORT) if needs_export(cfg, STAGE) else (PREPARE,)
 
 
 @dataclass(frozen=True)
-class BenchPrompts:
-    prompts: list
-    format: str
-    dropped: int = 0              # too long for the target's context with bench.max_tokens new tokens
-    context: int | None = None    # the target's context length; None: not checked
+class Inputs:
+    ctx: StageContext
+    drafters: Drafters
 
 
-def _tokenizer(cfg: LifecycleConfig):
-    path = Path(cfg.target.path)
-    if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
+def inputs(ctx: StageContext) -> Inputs:
+    cfg = ctx.cfg
+    if not cfg.bench.speculative:
+        return Inputs(ctx, Drafters())  # a baseline-only sweep needs no drafter
+    drafters = resolve_drafter(cfg, ctx.store, ctx.upstream, source=cfg.serve.draft_path,
+                               source_field="serve.draft_path", head_to_head=cfg.retrain.bench)
+    if drafters.identity is None:
+        raise BenchError("bench.speculative is set but there is no drafter: no export upstream and no "
+                         "serve.draft_path")
+    return Inputs(ctx, drafters)
 
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code)
-    return None
 
-
-def build_prompts(cfg: LifecycleConfig, conversations: list[dict]) -> BenchPrompts:
-    """Token ids through the target's chat template when it has one (what a chat request sends),
-    without the prompts that leave no room for `bench.max_tokens` new tokens in the target's context
-    (every configuration would fail on them); the rule and the rendering are the export judge's
-    (`prompts_from_conversations`). Else the first user turn's text, unchecked (the server
-    tokenizes it)."""
-    tok = _tokenizer(cfg)
-    if tok is not None and tok.chat_template:
-        from drafter.export.judge import prompts_from_conversations
-
-        context = target_context(cfg)
-        room = context - cfg.bench.max_tokens if context is not None else sys.maxsize
-        prompts, skipped = prompts_from_conversations(tok, conversations, len(conversations), room)
-        if not prompts and skipped["too_long"]:
-            every, _ = prompts_from_conversations(tok, conversations, len(conversations), sys.maxsize)
-            shortest = min(len(p) for p in every)
-            raise BenchError(
-                f"no held-out prompt fits the target's context: all {skipped['too_long']} need more than "
-                f"max_position_embeddings {context} ({cfg.target.path}/config.json) with bench.max_tokens "
-                f"{cfg.bench.max_tokens} new tokens (the shortest has {shortest} tokens); set bench.max_tokens "
-                f"to at most {context - shortest}, or bench on prompts that fit")
-        return BenchPrompts(prompts, "chat template token ids", skipped["too_long"], context)
-    firsts = []
-    for conv in conversations:
-        msgs = conv["messages"]
-        upto = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
-        if upto is not None:
-            firsts.append(msgs[:upto + 1])
-    return BenchPrompts([m[-1]["content"] for m in firsts],
-                        "first user turn, raw text (the target has no chat template)")
+def fingerprint(inputs: Inputs) -> str:
+    cfg = inputs.ctx.cfg
+    serve = {k: v for k, v in fingerprint_fields(cfg.serve).items() if k not in _SERVE_NOT_IDENTITY}
+    target = {"served_name": cfg.target.served_name, "dtype": cfg.target.dtype, **target_identity(cfg.target)}
+    return stage_fingerprint(STAGE, {"bench": fingerprint_fields(cfg.bench), "serve": serve, "target": target,
+                                     "drafter": inputs.drafters.identity}, [inputs.ctx.upstream[PREPARE]])
 
 
 def _settings(cfg: LifecycleConfig) -> dict:
     return cfg.bench.model_dump(mode="json")
 
 
-def _result(out: StageOutput, report: dict, skipped: bool) -> StageResult:
+def summarize(inputs: Inputs, out: StageOutput) -> Summary:
+    report = json.loads(out.read_shard("report.json"))
     rows = report["table"]
     summary = [f"{r['config']} @ batch {r['batch']}: {r['output tok/s']} tok/s, {r['speedup [CI]']}, "
                f"{r['verdict']}, accept {r['accept length']} (break-even {r['break-even accept']})" for r in rows]
@@ -173,15 +94,15 @@ def _result(out: StageOutput, report: dict, skipped: bool) -> StageResult:
     summary += [f"challenger vs champion, {r['setting']} @ batch {r['batch']}: {r['challenger / champion tok/s [CI]']}, "
                 f"{r['verdict']}" for r in head_to_head_rows(report.get("head_to_head") or [])]
     summary.append(f"report: {out.store.uri(out.key('report.md'))}")
-    return StageResult.committed(out.manifest, out.uri, skipped=skipped, summary=summary, table=rows)
+    return Summary(summary, rows)
 
 
-def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str],
-        progress: Progress | None = None, on_line=None, session_options: dict | None = None) -> StageResult:
-    """`session_options`: extra ServerSession arguments (tests: shorter poll intervals)."""
-    out = output(cfg, store, upstream)
-    if out.is_complete():
-        return _result(out, json.loads(out.read_shard("report.json")), skipped=True)
+def build(inputs: Inputs, out: StageOutput) -> Built:
+    """The sweep, its report and its verdicts. The context's option `session_options`: extra
+    ServerSession arguments (tests: shorter poll intervals)."""
+    ctx = inputs.ctx
+    cfg, store, upstream, progress, on_line = ctx.cfg, ctx.store, ctx.upstream, ctx.progress, ctx.on_line
+    session_options = ctx.options.get("session_options")
     conversations = load_prepared(store, upstream[PREPARE], "eval")[:cfg.bench.num_prompts]
     built = build_prompts(cfg, conversations)
     prompts = built.prompts
@@ -190,8 +111,8 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
     if built.dropped:
         log.warning("bench: %d of %d held-out prompts dropped: prompt tokens + bench.max_tokens %d exceed the "
                     "target's context %d", built.dropped, len(conversations), cfg.bench.max_tokens, built.context)
-    identity = _drafter_identity(cfg, upstream)
-    drafters = drafter_paths(cfg, store, upstream, identity)
+    identity = inputs.drafters.identity
+    drafters = inputs.drafters.local_paths(cfg, store)
     plan: SweepPlan = plan_sweep(cfg, drafters)
     log.info("bench: %d server configurations (%s), batch sizes %s, %d rounds, interleave %s; %d skipped",
              len(plan.servers), ", ".join(s.label for s in plan.servers), plan.batch_sizes, plan.rounds,
@@ -213,7 +134,7 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
                          retryable=True)
     servers = [(s.key, s.label) for s in plan.servers]
     b = cfg.bench
-    summary = summarize(outcome.measurements, servers, plan.batch_sizes, confidence=b.confidence,
+    summary = summarize_measurements(outcome.measurements, servers, plan.batch_sizes, confidence=b.confidence,
                         samples=b.bootstrap_samples, seed=b.seed, drift_tolerance=b.drift_tolerance)
     rows = table_rows(summary, outcome.failures)
     versus = head_to_head(outcome.measurements, plan.head_to_head_pairs(), plan.batch_sizes, confidence=b.confidence,
@@ -250,5 +171,4 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
             "drift_unstable": {str(k): d["unstable"] for k, d in summary["drift"].items()},
             "engine_versions": sorted({str(x.get("engine_version")) for x in outcome.launches}),
             "hardware": hw, "prompts": len(prompts), "prompts_dropped": built.dropped, "report": "report.md"}
-    out.commit(meta=meta)
-    return _result(out, report, skipped=False)
+    return Built(meta)

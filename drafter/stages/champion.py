@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from drafter.config import LifecycleConfig, fingerprint_fields
@@ -32,34 +32,52 @@ from drafter.formats import CHAMPION_PLOT as PLOT
 from drafter.formats import BENCH, BENCH_REPORT, EXPORT, PREPARE, download_export
 from drafter.retrain.registry import Registry
 from drafter.retrain.verdict import bench_verdict, compare, plot_decisions
-from drafter.stage_output import Progress, StageOutput, StageResult, guarded_progress
+from drafter.outputs import champion_verdict as verdict  # noqa: F401  (the gate's verdict, published by the task)
+from drafter.stage_output import Progress, StageOutput, guarded_progress
 from drafter.stage_output import fingerprint as stage_fingerprint
-from drafter.store import ObjectStore, open_store
+from drafter.stages.base import Built, StageContext, Summary
+from drafter.stages.drafters import Drafters, resolve_drafter
+from drafter.store import ObjectStore
 from drafter.target_identity import target_identity
 
 JUDGE_FIELDS = ("eval_prompts", "judge_num_steps", "judge_max_new_tokens", "judge_bucket_edges")
 
 
-def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
+def needs(cfg: LifecycleConfig) -> tuple[str, ...]:
+    """With `retrain.bench` the head-to-head bench is read before the verdict."""
+    return (EXPORT, PREPARE, BENCH) if cfg.retrain.bench else (EXPORT, PREPARE)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    ctx: StageContext
+    registry: Registry
+    drafters: Drafters  # the challenger and the champion it faces (Registry.opponent)
+
+
+def inputs(ctx: StageContext) -> Inputs:
+    drafters = resolve_drafter(ctx.cfg, ctx.store, ctx.upstream, source=None, source_field="retrain",
+                               head_to_head=True)
+    return Inputs(ctx, Registry.for_config(ctx.cfg, ctx.store), drafters)
+
+
+def fingerprint(inputs: Inputs) -> str:
     """The retrain section, the judge settings, the target, the registry entry and its champion
     now, the challenger export and the corpus whose held-out prompts judge them."""
-    registry = Registry.for_config(cfg, open_store(cfg.storage))
+    cfg, upstream, registry = inputs.ctx.cfg, inputs.ctx.upstream, inputs.registry
     config = {"retrain": fingerprint_fields(cfg.retrain), "judge": {k: getattr(cfg.export, k) for k in JUDGE_FIELDS},
               "target": target_identity(cfg.target), "target_dtype": cfg.target.dtype,
-              "registry": [registry.target, registry.name], "champion": registry.opponent(upstream[EXPORT])}
+              "registry": [registry.target, registry.name], "champion": inputs.drafters.exports.get("champion")}
     return stage_fingerprint(STAGE, config, [upstream[k] for k in (EXPORT, PREPARE, BENCH) if k in upstream])
 
 
-def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str],
-        progress: Progress | None = None, on_line=None) -> StageResult:
-    out = StageOutput(store, STAGE, fingerprint(cfg, upstream))
-    if out.is_complete():
-        return _result(out, Registry.for_config(cfg, store), skipped=True)
-    say = on_line or (lambda line: None)
-    registry = Registry.for_config(cfg, store)
+def build(inputs: Inputs, out: StageOutput) -> Built:
+    """Judge both, decide, update the registry, then hand the decision to be committed."""
+    ctx = inputs.ctx
+    cfg, store, upstream, progress, say, registry = ctx.cfg, ctx.store, ctx.upstream, ctx.progress, ctx.say, inputs.registry
     challenger = upstream[EXPORT]
     challenger_judge = registry.check_export(challenger).manifest.meta["judge"]
-    champion = registry.opponent(challenger)
+    champion = inputs.drafters.exports.get("champion")
     bench = bench_figures(store, upstream[BENCH], challenger, champion) if BENCH in upstream else None
     reports: dict[str, dict] = {}
     if registry.champion_export() == challenger:  # promoted by hand, or a crash after the registry update
@@ -76,9 +94,9 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
         reports = _judge_both(cfg, store, upstream[PREPARE], {"champion": champion, "challenger": challenger},
                               guarded_progress(progress, STAGE), say)
         r = cfg.retrain
-        verdict = compare(reports["champion"], reports["challenger"], min_improvement=r.min_improvement,
-                          confidence=r.confidence, samples=r.bootstrap_samples, seed=r.seed)
-        decision = {**verdict, "verdict": "promoted" if verdict.pop("promoted") else "rejected"}
+        judged = compare(reports["champion"], reports["challenger"], min_improvement=r.min_improvement,
+                         confidence=r.confidence, samples=r.bootstrap_samples, seed=r.seed)
+        decision = {**judged, "verdict": "promoted" if judged.pop("promoted") else "rejected"}
     if bench is not None:
         decision["bench"] = bench
         if decision["verdict"] == "promoted" and bench["problems"]:
@@ -96,8 +114,7 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
         out.write_shard(f"judge-{who}.json", json.dumps(report, indent=1) + "\n")
     out.write_shard(PLOT, plot_decisions(registry.decisions()))
     out.write_shard(DECISION, json.dumps(decision, indent=1) + "\n")
-    out.commit(decision)
-    return _result(out, registry, skipped=False)
+    return Built(decision)
 
 
 def bench_figures(store: ObjectStore, bench_fp: str, challenger: str, champion: str | None) -> dict:
@@ -134,8 +151,9 @@ def _judge_both(cfg: LifecycleConfig, store: ObjectStore, prepare_fp: str, expor
     return reports
 
 
-def _result(out: StageOutput, registry: Registry, skipped: bool) -> StageResult:
+def summarize(inputs: Inputs, out: StageOutput) -> Summary:
     d = out.manifest.meta
+    registry = inputs.registry
     fmt = lambda v, f="{:.3f}": f.format(v) if isinstance(v, (int, float)) else "-"
     now = registry.champion_export()  # the registry's word now (a rollback may have followed the verdict)
     summary = [f"{d['verdict']}: {d['reason']}",
@@ -162,4 +180,4 @@ def _result(out: StageOutput, registry: Registry, skipped: bool) -> StageResult:
     table += [{"figure": "verdict", "champion": "kept" if d["verdict"] != "promoted" else "replaced",
                "challenger": d["verdict"]},
               {"figure": "why", "champion": "", "challenger": d["reason"]}]
-    return StageResult.committed(out.manifest, out.uri, skipped, summary, table)
+    return Summary(summary, table)

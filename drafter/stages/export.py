@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from drafter.config import LifecycleConfig, fingerprint_fields
@@ -30,8 +31,10 @@ from drafter.export.sglang import ExportError, TargetInfo, check_sglang_export, 
 from drafter.formats import DATAGEN, DUMP, PREPARE, TRAIN, download_trained_drafter
 from drafter.layers import LAYER_ID_CONVENTION
 from drafter.model import CONFIG_FILE, WEIGHTS_FILE
-from drafter.stage_output import Progress, StageOutput, StageResult, guarded_progress
+from drafter.outputs import export_verdict as verdict  # noqa: F401  (the gate's verdict, published by the task)
+from drafter.stage_output import Progress, StageOutput, guarded_progress
 from drafter.stage_output import fingerprint as stage_fingerprint
+from drafter.stages.base import Built, StageContext, Summary
 from drafter.store import ObjectStore
 from drafter.target_identity import target_fingerprint, target_identity
 from drafter.workdirs import scratch_dir
@@ -41,10 +44,24 @@ SGLANG_DIR, VLLM_DIR = "sglang", "vllm"
 EXPORT_JSON, JUDGE_JSON = "export.json", "judge.json"
 
 
-def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
+def needs(cfg: LifecycleConfig) -> tuple[str, ...]:
+    return (TRAIN, PREPARE)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    ctx: StageContext  # the trained drafter is read by `build` (a complete export skips without it)
+
+
+def inputs(ctx: StageContext) -> Inputs:
+    return Inputs(ctx)
+
+
+def fingerprint(inputs: Inputs) -> str:
     """The export section's output fields, the target (content and local path: the vLLM config
     names it as its verifier; dtype: the judge runs in it), the aux layer ids and the trained
     drafter. The prepare output is implied by the train fingerprint (train -> dump -> prepare)."""
+    cfg, upstream = inputs.ctx.cfg, inputs.ctx.upstream
     export = fingerprint_fields(cfg.export)
     if cfg.export.vllm_judge is not None:  # its port, timeouts, interpreter do not change the judgement
         export["vllm_judge"] = fingerprint_fields(cfg.export.vllm_judge)
@@ -99,15 +116,12 @@ def _inputs(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str
     return {"train": train, "dump_fp": dump_fp, "prepare_fp": prepare_fp, "target_fp": want_target}
 
 
-def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str],
-        progress: Progress | None = None, on_line=None) -> StageResult:
-    """Export, check the files read back, judge them offline, then commit; skip when complete."""
-    fp = fingerprint(cfg, upstream)
-    out = StageOutput(store, STAGE, fp)
-    if out.is_complete():
-        return _result(out, skipped=True)
-    progress = guarded_progress(progress, STAGE)
-    say = on_line or (lambda line: None)
+def build(inputs: Inputs, out: StageOutput) -> Built:
+    """Export, check the files read back, judge them offline (the gate), then commit."""
+    ctx = inputs.ctx
+    cfg, store, upstream, fp, on_line = ctx.cfg, ctx.store, ctx.upstream, out.fingerprint, ctx.on_line
+    progress = guarded_progress(ctx.progress, STAGE)
+    say = ctx.say
     inputs = _inputs(cfg, store, upstream)
     train_meta = inputs["train"].manifest.meta
     ours = cfg.aux_layer_ids()
@@ -158,8 +172,7 @@ def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str]
             out.write_shard(name, path)
         out.write_shard(EXPORT_JSON, json.dumps(manifest, indent=2) + "\n")
         out.write_shard(JUDGE_JSON, json.dumps(judge, indent=2) + "\n")
-    out.commit({"export": manifest, "judge": judge})
-    return _result(out, skipped=False)
+    return Built({"export": manifest, "judge": judge})
 
 
 def _judge(cfg: LifecycleConfig, store: ObjectStore, prepare_fp: str, sglang_dir: Path, train_meta: dict,
@@ -213,7 +226,7 @@ def _judge_vllm(cfg: LifecycleConfig, vllm_dir: Path, prompts: list[list[int]], 
     return report, agree
 
 
-def _result(out: StageOutput, skipped: bool) -> StageResult:
+def summarize(inputs: Inputs, out: StageOutput) -> Summary:
     meta = out.manifest.meta
     judge, export = meta.get("judge") or {}, meta.get("export") or {}
     pred = (judge.get("predicted") or {}).get("accept_length")
@@ -248,7 +261,7 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
              {"metric": "draft vocab", "value": f"{export['draft_vocab']['size']} ({export['draft_vocab']['hash']})"},
              {"metric": "target", "value": export["target"]["fingerprint"]},
              {"metric": "dump", "value": export["dump_fingerprint"]}]
-    return StageResult.committed(out.manifest, out.uri, skipped, summary, table)
+    return Summary(summary, table)
 
 
 def write_local(store: ObjectStore, export_fp: str, out_dir: str | Path) -> dict[str, Path]:

@@ -11,49 +11,51 @@ the server rewrote fail the stage (field note 3).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
+from dataclasses import dataclass
 
 from drafter.config import LifecycleConfig
-from drafter.formats import EXPORT, download_export
-from drafter.retrain.registry import CHAMPION, Registry
+from drafter.formats import EXPORT
 from drafter.serving.check import check_server
-from drafter.stage_output import Progress, StageResult
-from drafter.store import ObjectStore
+from drafter.stage_output import StageResult
+from drafter.stages.base import StageContext
+from drafter.stages.drafters import Drafters, needs_export, resolve_drafter
 
 STAGE = "serve"
 
 
-def export_dir(cfg: LifecycleConfig, store: ObjectStore, export_fp: str) -> str:
-    """An export as a local directory the configured engine loads, in that engine's format (vLLM's
-    layer ids are one higher): `<serve.log_dir>/../drafters/export-<fp>[-vllm]/`, kept between
-    runs (files re-verified, not re-fetched)."""
-    fmt = "vllm" if cfg.serve.engine == "vllm" else "sglang"
-    root = Path(cfg.serve.log_dir).parent / "drafters"
-    name = f"export-{export_fp}" + ("-vllm" if fmt == "vllm" else "")
-    return str(download_export(store, export_fp, root / name, fmt).resolve())
+def needs(cfg: LifecycleConfig) -> tuple[str, ...]:
+    """This run's export, unless the profile names a drafter directory (or `champion`) or serves
+    the target alone."""
+    return (EXPORT,) if needs_export(cfg, STAGE) else ()
 
 
-def draft_path(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str]) -> str | None:
-    """`serve.draft_path` (`champion`: the registry's current champion export), else this run's
-    export when the table made it an upstream, else None."""
-    if cfg.serve.draft_path == CHAMPION:
-        return export_dir(cfg, store, Registry.for_config(cfg, store).require_champion())
-    if cfg.serve.draft_path:
-        return cfg.serve.draft_path
-    return export_dir(cfg, store, upstream[EXPORT]) if EXPORT in upstream else None
+@dataclass(frozen=True)
+class Inputs:
+    ctx: StageContext
+    drafters: Drafters
 
 
-def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> None:
+def inputs(ctx: StageContext) -> Inputs:
+    return Inputs(ctx, resolve_drafter(ctx.cfg, ctx.store, ctx.upstream, source=ctx.cfg.serve.draft_path,
+                                       source_field="serve.draft_path", identify=False))
+
+
+def fingerprint(inputs: Inputs) -> None:
     """None: a server is not a stored output (nothing downstream reads one by fingerprint yet)."""
     return None
 
 
-def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str] | None = None,
-        progress: Progress | None = None, on_line=None) -> StageResult:
-    """`on_line` receives every server log line (the Prefect task streams them into the run log)."""
-    draft = draft_path(cfg, store, upstream or {})
-    report = check_server(cfg, draft_path=draft, on_line=on_line, raise_on_failure=True)
+def draft_path(inputs: Inputs) -> str | None:
+    """The directory the server loads (an export fetched in the engine's format), or None."""
+    return inputs.drafters.local_paths(inputs.ctx.cfg, inputs.ctx.store).get("")
+
+
+def build(inputs: Inputs, out: None) -> StageResult:
+    """Start, gate, read back, stop. The context's `on_line` receives every server log line (the
+    Prefect task streams them into the run log)."""
+    cfg = inputs.ctx.cfg
+    draft = draft_path(inputs)
+    report = check_server(cfg, draft_path=draft, on_line=inputs.ctx.on_line, raise_on_failure=True)
     report["draft_path"] = draft
     table = [{"metric": "base url", "value": str(report["base_url"])},
              {"metric": "log", "value": report["log_path"]},

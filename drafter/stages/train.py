@@ -26,20 +26,22 @@ import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from drafter.config import LifecycleConfig, fingerprint_fields, parse_config
 from drafter.formats import DUMP, TRAIN_CURVES, TRAIN_METRICS, TRAINED_DRAFTER_FILES, download_export
-from drafter.retrain.registry import CHAMPION
 from drafter.formats import TRAIN as STAGE
-from drafter.hashing import hash_file, short_hash
-from drafter.serving.launch_env import launch_overrides
-from drafter.stage_output import Progress, StageOutput, StageResult
-from drafter.stage_output import fingerprint as stage_fingerprint
-from drafter.store import ObjectStore, open_store
+from drafter.retrain.registry import CHAMPION
 from drafter.serving import procs
+from drafter.serving.launch_env import launch_overrides
+from drafter.stage_output import Progress, StageOutput
+from drafter.stage_output import fingerprint as stage_fingerprint
+from drafter.stages.base import Built, StageContext, Summary
+from drafter.stages.drafters import Drafters, resolve_drafter
+from drafter.store import ObjectStore, open_store
 from drafter.target_identity import target_fingerprint, target_identity
 from drafter.training.errors import TrainingError, TrainingInterrupted
 from drafter.training.workdir import remove_stale_work_dirs, train_lock, work_prefix
@@ -53,72 +55,71 @@ TRAINERS_GRACE_S = 60.0  # the watchdog's SIGTERM -> SIGKILL wait: the ranks wri
 TRAIN_RECIPE = 3  # 3: held-out rows carry the served walk (drafter.training.metrics.served_walk)
 
 
-def _init_from_identity(path: str | None) -> str | None:
-    """A content hash of the drafter fine-tuning starts from (a path alone could change under us)."""
-    if not path:
-        return None
-    files = [Path(path) / name for name in ("config.json", "model.safetensors")]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        from drafter.config import ConfigError
-
-        raise ConfigError([("train.init_from", f"not an SGLang-format drafter directory: missing {missing}")])
-    return short_hash("".join(f"{f.name}:{hash_file(f)[1]}\n" for f in files))
+def needs(cfg: LifecycleConfig) -> tuple[str, ...]:
+    return (DUMP,)
 
 
-def _champion(cfg: LifecycleConfig, store: ObjectStore | None = None) -> str | None:
-    """`train.init_from: champion`: the registry's champion export now (None: none yet, so the
-    first retrain trains from scratch)."""
-    from drafter.retrain.registry import Registry
+@dataclass
+class Inputs:
+    ctx: StageContext
+    start: Drafters  # the drafter fine-tuning starts from (none: from scratch)
+    lock_fd: int | None = None  # the output's lock while `exclusive` holds it (torchrun inherits it)
 
-    return Registry.for_config(cfg, store or open_store(cfg.storage)).champion_export()
+
+def inputs(ctx: StageContext) -> Inputs:
+    """`train.init_from`: a drafter directory, or `champion` (the registry's champion export now;
+    none yet: the first retrain trains from scratch)."""
+    return Inputs(ctx, resolve_drafter(ctx.cfg, ctx.store, {}, source=ctx.cfg.train.init_from,
+                                       source_field="train.init_from", required=False))
 
 
-def fingerprint(cfg: LifecycleConfig, upstream: Mapping[str, str]) -> str:
+def fingerprint(inputs: Inputs) -> str:
     """The train section's output fields, the aux layer ids, the target, the starting drafter and
     the dump (the hidden states it learns from)."""
+    cfg = inputs.ctx.cfg
     section = fingerprint_fields(cfg.train)
     if cfg.train.init_from == CHAMPION:
-        champion = _champion(cfg)
-        section["init_from"] = {"champion_export": champion} if champion else None
+        section["init_from"] = {"champion_export": inputs.start.export} if inputs.start.export else None
     else:
-        section["init_from"] = _init_from_identity(cfg.train.init_from)
+        section["init_from"] = inputs.start.local_identity
     return stage_fingerprint(STAGE, {"train": section, "aux_layer_ids": cfg.aux_layer_ids(),
                                      "target": target_identity(cfg.target), "recipe": TRAIN_RECIPE},
-                             [upstream[DUMP]])
+                             [inputs.ctx.upstream[DUMP]])
 
 
-def run(cfg: LifecycleConfig, store: ObjectStore, *, upstream: Mapping[str, str],
-        progress: Progress | None = None, on_line=None) -> StageResult:
-    """Train (or resume training) the drafter on `upstream["dump"]`; skip when the output is complete."""
-    fp = fingerprint(cfg, upstream)
-    out = StageOutput(store, STAGE, fp)
-    if out.is_complete():
-        return _result(out, skipped=True)
-    StageOutput.committed(store, DUMP, upstream[DUMP])  # a missing dump fails here, naming it
-    with train_lock(fp) as lock_fd:  # held until the commit; another live run of `fp`: refused by name
-        if out.is_complete():  # committed by the run that held the lock before us
-            return _result(out, skipped=True)
-        remove_stale_work_dirs(fp)  # we hold the lock: their owners are dead
-        with tempfile.TemporaryDirectory(prefix=work_prefix(fp)) as work:
-            meta = _train_into(out, cfg, store, upstream[DUMP], fp, Path(work), progress, on_line, lock_fd)
-        out.commit(meta)
-    return _result(out, skipped=False)
+@contextmanager
+def exclusive(inputs: Inputs, out: StageOutput) -> Iterator[None]:
+    """One run per output: held until the commit; another live run of it is refused by name."""
+    StageOutput.committed(inputs.ctx.store, DUMP, inputs.ctx.upstream[DUMP])  # a missing dump fails here, naming it
+    with train_lock(out.fingerprint) as lock_fd:
+        remove_stale_work_dirs(out.fingerprint)  # we hold the lock: their owners are dead
+        inputs.lock_fd = lock_fd
+        try:
+            yield
+        finally:
+            inputs.lock_fd = None
 
 
-def _train_into(out: StageOutput, cfg: LifecycleConfig, store: ObjectStore, dump_fp: str, fp: str, work: Path,
-                progress: Progress | None, on_line, lock_fd: int) -> dict:
+def build(inputs: Inputs, out: StageOutput) -> Built:
+    """Train (or resume training) the drafter on the dump."""
+    with tempfile.TemporaryDirectory(prefix=work_prefix(out.fingerprint)) as work:
+        meta = _train_into(out, inputs, Path(work), inputs.lock_fd)
+    return Built(meta)
+
+
+def _train_into(out: StageOutput, inputs: Inputs, work: Path, lock_fd: int) -> dict:
     """Train in `work` and upload the drafter and its metrics to `out`; returns the manifest meta."""
+    cfg, store, dump_fp, fp = inputs.ctx.cfg, inputs.ctx.store, inputs.ctx.upstream[DUMP], out.fingerprint
     if cfg.train.cache_dir is None:  # the shard cache goes with the work dir, also a dead run's
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"cache_dir": str(work)})})
-    champion = _champion(cfg, store) if cfg.train.init_from == CHAMPION else None
+    champion = inputs.start.export if cfg.train.init_from == CHAMPION else None
     if cfg.train.init_from == CHAMPION:  # fine-tune the champion's SGLang files (or start afresh)
         start = str(download_export(store, champion, work / "champion", "sglang")) if champion else None
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": start})})
     if cfg.train.nproc_per_node > 1:
-        meta = _train_torchrun(cfg, dump_fp, fp, work, on_line, lock_fd)
+        meta = _train_torchrun(cfg, dump_fp, fp, work, inputs.ctx.on_line, lock_fd)
     else:
-        meta = _train_here(cfg, store, dump_fp, fp, work, progress)
+        meta = _train_here(cfg, store, dump_fp, fp, work, inputs.ctx.progress)
     for name in TRAINED_DRAFTER_FILES:
         out.write_shard(name, work / "drafter" / Path(name).name)
     out.write_shard(TRAIN_METRICS, work / TRAIN_METRICS)
@@ -214,7 +215,7 @@ class TorchrunFailed(TrainingError):
     retryable = True
 
 
-def _result(out: StageOutput, skipped: bool) -> StageResult:
+def summarize(inputs: Inputs, out: StageOutput) -> Summary:
     meta = out.manifest.meta
     summary, table = [], []
     for split in ("train", "eval"):
@@ -233,7 +234,7 @@ def _result(out: StageOutput, skipped: bool) -> StageResult:
                                                    "served_accept_length")]
     summary.append(f"{meta.get('steps')} steps, vocab from {meta.get('vocab_source')}, "
                    f"aux layers {meta.get('aux_layer_ids')}")
-    return StageResult.committed(out.manifest, out.uri, skipped, summary, table)
+    return Summary(summary, table)
 
 
 def main(argv: list[str] | None = None) -> int:
