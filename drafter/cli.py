@@ -107,19 +107,19 @@ def demo_target(config: Path = ConfigOpt,
     if cfg.target.demo is None:
         typer.echo(f"{config}: target.demo is not set; this profile uses an existing model", err=True)
         raise typer.Exit(2)
-    bar = _progress_bar("demo target", unit="step")
+    bar = _progress_bar("demo target")
     build = build_demo_target if force else ensure_demo_target
     report = build(cfg.target.demo, cfg.target.path, progress=bar.update_to)
     bar.close()
     typer.echo(json.dumps({k: report[k] for k in report if k != "config"}, indent=2, default=str))
 
 
-def _run_stage(name: str, cfg: LifecycleConfig, unit: str, on_line=None):
+def _run_stage(name: str, cfg: LifecycleConfig, on_line=None):
     """Run one stage of the table with a progress bar; its upstream comes from the table too."""
     from drafter.stages import TABLE
     from drafter.store import open_store
 
-    bar = _progress_bar(name, unit=unit)
+    bar = _progress_bar(name, unit=TABLE[name].unit)
     try:
         result = TABLE.run(name, cfg, open_store(cfg.storage), progress=bar.update_to, on_line=on_line)
     finally:
@@ -130,10 +130,30 @@ def _run_stage(name: str, cfg: LifecycleConfig, unit: str, on_line=None):
     return result
 
 
+def _stage_name(name: str) -> str:
+    from drafter.stages import TABLE
+
+    if name not in TABLE.names:
+        raise typer.BadParameter(f"no stage {name!r}; stages: {', '.join(TABLE.names)}", param_hint="'STAGE'")
+    return name
+
+
+@app.command("run")
+def run_stage(stage: str = typer.Argument(..., callback=_stage_name, metavar="STAGE",
+                                          help="a stage of the table: prepare, datagen, dump, train, export, "
+                                               "bench, champion, serve"),
+              config: Path = ConfigOpt,
+              quiet: bool = typer.Option(False, help="do not echo the stage's and its servers' lines")) -> None:
+    """Run one stage of the table with the configuration's settings (its upstream outputs must be
+    committed); the named commands below are this with their own options."""
+    result = _run_stage(stage, _load(config), on_line=None if quiet else (lambda line: typer.echo(line, err=True)))
+    typer.echo(json.dumps(result.meta, indent=2, default=str))
+
+
 @app.command("prepare")
 def prepare(config: Path = ConfigOpt) -> None:
     """Normalise, dedupe, filter and split the prompt corpus into the object store."""
-    result = _run_stage("prepare", _load(config), unit="row")
+    result = _run_stage("prepare", _load(config))
     typer.echo(json.dumps(result.meta, indent=2, default=str))
 
 
@@ -143,7 +163,7 @@ def datagen(config: Path = ConfigOpt,
                                                       "default: datagen.server_urls, else start serve.engine")) -> None:
     """Regenerate the assistant turns of the prepared prompts (train and eval splits) with the target."""
     cfg = _load(config, {"datagen.server_urls": list(server) or None})
-    result = _run_stage("datagen", cfg, unit="conv", on_line=lambda line: typer.echo(line, err=True))
+    result = _run_stage("datagen", cfg, on_line=lambda line: typer.echo(line, err=True))
     typer.echo(json.dumps(result.meta, indent=2, default=str))
 
 
@@ -151,7 +171,7 @@ def datagen(config: Path = ConfigOpt,
 def dump(config: Path = ConfigOpt,
          device: list[str] = typer.Option([], help="device per worker (repeatable); default: dump.devices")) -> None:
     """Capture the target's aux + final hidden states as verified shards in the object store."""
-    _run_stage("dump", _load(config, {"dump.devices": list(device) or None}), unit="shard")
+    _run_stage("dump", _load(config, {"dump.devices": list(device) or None}))
 
 
 @app.command("train")
@@ -160,7 +180,7 @@ def train(config: Path = ConfigOpt,
                                                                   "(default: train.nproc_per_node)")) -> None:
     """Train the EAGLE-3 drafter on the dumped hidden states (resumes from its last checkpoint)."""
     cfg = _load(config, {"train.nproc_per_node": nproc_per_node})
-    _run_stage("train", cfg, unit="step", on_line=lambda line: typer.echo(line, err=True))
+    _run_stage("train", cfg, on_line=lambda line: typer.echo(line, err=True))
 
 
 def _writable_folder(path: Path, hint: str) -> None:
@@ -187,7 +207,7 @@ def export(config: Path = ConfigOpt,
     cfg = _load(config)
     if out is not None:  # before the stage runs: a bad --out must not cost a judged export
         _writable_folder(out, "'--out'")
-    result = _run_stage("export", cfg, unit="prompt")
+    result = _run_stage("export", cfg)
     if out is not None:
         for fmt, path in write_local(open_store(cfg.storage), result.fingerprint, out).items():
             typer.echo(f"{fmt}: {path}")
@@ -196,7 +216,7 @@ def export(config: Path = ConfigOpt,
 @app.command("bench")
 def bench(config: Path = ConfigOpt) -> None:
     """Sweep speculative settings against the baseline measured in the same run; print the table."""
-    _run_stage("bench", _load(config), unit="measurement", on_line=None)
+    _run_stage("bench", _load(config), on_line=None)
 
 
 @app.command("demo-source")
@@ -213,7 +233,7 @@ def demo_source(folder: Path = typer.Option(Path("runs/demo-source"), "--dir", h
 @app.command("champion")
 def champion(config: Path = ConfigOpt) -> None:
     """Judge this configuration's export against the registry's champion; promote it only when better."""
-    _run_stage("champion", _load(config), unit="prompt", on_line=lambda line: typer.echo(line, err=True))
+    _run_stage("champion", _load(config), on_line=lambda line: typer.echo(line, err=True))
 
 
 def _registry(config: Path):
@@ -364,7 +384,7 @@ def verify(target: str = typer.Argument(..., help="a stage name (its output for 
             typer.echo(f"verify {target}: this stage stores no output", err=True)
             raise typer.Exit(2)
         out = StageOutput(open_store(cfg.storage), target, fingerprint)
-    bar = _progress_bar(f"verify {out.stage}", unit="shard")
+    bar = _progress_bar(f"verify {out.stage}")
     try:
         report = (out.repair if repair else out.verify)(progress=bar.update_to)
     finally:

@@ -387,7 +387,8 @@ def test_retrain_nightly_promotes_reuses_rejects_and_rolls_back(prefect_env, tin
     drafter_cli("registry", "promote", planted, "--config", str(profile), "--reason", "e2e: a bad promotion")
     assert drafter_cli("registry", "rollback", "--config", str(profile)).split()[3:5] == ["export", champion_2]
     assert f"champion {champion_2}" in drafter_cli("registry", "list", "--config", str(profile))
-    prefect_cli(prefect_env, "deployment", "run", "drafter-lifecycle/serve", "--param", f"profile={profile}",
+    prefect_cli(prefect_env, "deployment", "run", "drafter-lifecycle/stage", "--param", f"profile={profile}",
+                "--param", 'stages=["serve"]',
                 "--watch", "--watch-timeout", "200")
     newest = max(logs.glob("reference-*.launch.json"), key=lambda p: p.stat().st_mtime_ns)
     argv = json.loads(newest.read_text())["argv"]

@@ -31,6 +31,7 @@ class Stage:
     starts_servers: bool = False      # the flow reaps what a cancelled run of it left behind
     retries: int = 3                  # attempts after the first, for errors that are `retryable`
     gate: bool = False                # its module's verdict(result, error) is published (drafter.outputs)
+    unit: str = "item"                # what its progress counts (`drafter run`'s progress bar)
 
     @property
     def code(self) -> ModuleType:
@@ -51,17 +52,19 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("prepare", "drafter.stages.prepare", "normalise, dedupe, filter and split the prompt corpus"),
+    Stage("prepare", "drafter.stages.prepare", "normalise, dedupe, filter and split the prompt corpus", unit="row"),
     Stage("datagen", "drafter.stages.datagen", "regenerate the answers with the target",
-          starts_servers=True, retries=2),
-    Stage("dump", "drafter.stages.dump", "capture the target's aux + final hidden states"),
-    Stage("train", "drafter.stages.train", "train the EAGLE-3 drafter on the hidden states"),
+          starts_servers=True, retries=2, unit="conv"),
+    Stage("dump", "drafter.stages.dump", "capture the target's aux + final hidden states", unit="shard"),
+    Stage("train", "drafter.stages.train", "train the EAGLE-3 drafter on the hidden states", unit="step"),
     Stage("export", "drafter.stages.export", "write the SGLang and vLLM formats, check them, judge the "
-                                             "accept length offline", gate=True),
+                                             "accept length offline", gate=True, unit="prompt"),
     Stage("bench", "drafter.stages.bench", "sweep speculative settings against the baseline, interleaved, "
-                                           "with confidence intervals", starts_servers=True, retries=2, gate=True),
+                                           "with confidence intervals", starts_servers=True, retries=2, gate=True,
+          unit="measurement"),
     Stage("champion", "drafter.stages.champion", "judge this run's export against the registry's champion on "
-                                                 "the same held-out prompts; promote it only when better", gate=True),
+                                                 "the same held-out prompts; promote it only when better", gate=True,
+          unit="prompt"),
     Stage("serve", "drafter.stages.serve", "start the server, gate it on a real generation, read its "
                                            "settings back, stop it", starts_servers=True, retries=2),
 )
