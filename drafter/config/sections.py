@@ -151,7 +151,6 @@ class TrainConfig(Strict):
     optimizer_state_dtype: Literal["float32", "bfloat16"] = OutputField(
         "float32", description="precision of the AdamW moments: float32 (exact AdamW, the default) or bfloat16 "
                                "(half their memory, masters stay fp32; changes the numerics; not with fsdp)")
-    batch_size: int = OutputField(1, ge=1, description="legacy alias, unused: the batch is a token budget")
     max_length: int = OutputField(2048, ge=8, description="samples are cut to this many tokens")
     tokens_per_micro_batch: int = OutputField(
         2048, ge=8, description="packing budget of one micro-batch (sequences concatenated, no padding)")

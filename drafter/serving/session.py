@@ -2,7 +2,7 @@
 read back -> teardown, on every exit path (errors, Ctrl-C, Prefect's SIGTERM).
 
 Every user of a running server goes through `ServerSession`: `drafter serve` (foreground and
-`--check`), datagen's own target server, and the stages to come (the offline judge, the bench
+`--check`), datagen's own target server, and the stages that serve (the offline judge, the bench
 sweep). The sequence exists once, so a fix to it (a new preflight check, a teardown detail) reaches
 every caller.
 
