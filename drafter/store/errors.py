@@ -1,6 +1,8 @@
 """The store's errors: what a caller may retry (`StoreError.retryable`) and what a person must fix."""
 from __future__ import annotations
 
+import re
+
 from drafter.errors import EXIT_CONFIG, DrafterError
 
 
@@ -61,13 +63,18 @@ class CorruptObject(StoreError):
         super().__init__(f"corrupt object {self.uri}: {detail}" + (f"; {hint}" if hint else ""))
 
 
+# A committed stage output's key: `<stage>/<fingerprint>[/<shard>]` (drafter.stage_output), a stage
+# name being plain lowercase letters. Other prefixes (`train-checkpoints/`, `_reuse/`, `_registry/`)
+# are not stage outputs. The store knows this layout, not the stage table (which builds on the store).
+_STAGE_OUTPUT_KEY = re.compile(r"^([a-z]+)/[A-Za-z0-9][A-Za-z0-9._-]*(/|$)")
+
+
 def repair_hint(key: str) -> str | None:
     """The command that repairs the committed stage output holding `key`, None outside one."""
-    from drafter.stages import TABLE  # lazily: the stages build on the store
-
-    parts = key.split("/")
-    if len(parts) < 2 or parts[0] not in TABLE.names:  # e.g. train-checkpoints/: not a stage output
+    match = _STAGE_OUTPUT_KEY.match(key)
+    if match is None:
         return None
-    return (f"to redo it, run `drafter verify --repair {parts[0]} -c PROFILE` (the profile that made it), "
-            f"then run {parts[0]} again")
+    stage = match.group(1)
+    return (f"to redo it, run `drafter verify --repair {stage} -c PROFILE` (the profile that made it), "
+            f"then run {stage} again")
 

@@ -1,0 +1,78 @@
+"""What every stage run hands back (StageResult) and how it reports progress (Progress), apart
+from the committed outputs themselves (drafter.stage_output)."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from drafter.stage_output import Manifest
+
+log = logging.getLogger(__name__)
+
+# A stage's progress callback: (done, total or None, *info); a Prefect artifact, a terminal bar.
+Progress = Callable[..., None]
+
+
+def guarded_progress(progress: Progress | None, stage: str) -> Progress | None:
+    """`progress` that never raises: a progress display must never stop hours of work. Its first
+    failure is logged and the reports stop."""
+    if progress is None:
+        return None
+    failed = False
+
+    def report(*args) -> None:
+        nonlocal failed
+        if failed:
+            return
+        try:
+            progress(*args)
+        except Exception as err:
+            failed = True
+            log.warning("%s progress callback failed (%s); progress reports stop", stage, err)
+
+    return report
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What every stage's `run` returns, the one shape the CLI, the tasks and the flow read.
+
+    `status`: "done" (this run produced the output), "skipped" (it was already complete) or a
+    stage's own word ("ready" for a server that passed its gate). `uri`: where the output is (a
+    store URI, or a server's base URL). `summary`: human-readable lines (CLI output, run log);
+    `table`: {"metric", "value"} rows for a report (a Prefect table artifact). `manifest`: the
+    committed manifest, for stages that write to the store."""
+
+    stage: str
+    status: str
+    uri: str
+    fingerprint: str | None = None
+    meta: dict = field(default_factory=dict)
+    manifest: Manifest | None = None
+    summary: tuple[str, ...] = ()
+    table: tuple[dict, ...] = ()
+
+    @property
+    def skipped(self) -> bool:
+        return self.status == "skipped"
+
+    @classmethod
+    def committed(cls, manifest: Manifest, uri: str, skipped: bool, summary: Iterable[str] = (),
+                  table: Iterable[dict] = ()) -> "StageResult":
+        """The result of a stage whose output is `manifest` at `uri`."""
+        return cls(stage=manifest.stage, status="skipped" if skipped else "done", uri=uri,
+                   fingerprint=manifest.fingerprint, meta=manifest.meta, manifest=manifest,
+                   summary=tuple(summary), table=tuple(table))
+
+    def outcome(self) -> str:
+        """One line: did it run, or find its output complete (what `make demo` prints)."""
+        state = {"skipped": "skipped (output already complete)"}.get(self.status, self.status)
+        return f"stage {self.stage}: {state} {self.uri}"
+
+    def to_dict(self) -> dict:
+        """JSON-able (what a Prefect task returns; never data, only where it is and what it holds)."""
+        return {"stage": self.stage, "status": self.status, "skipped": self.skipped, "uri": self.uri,
+                "fingerprint": self.fingerprint, "meta": self.meta, "summary": list(self.summary)}
