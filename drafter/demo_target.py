@@ -26,8 +26,9 @@ import math
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -165,11 +166,55 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
                       conversations: list[dict] | None = None,
                       progress: Callable[[int, int | None, float], None] | None = None) -> dict:
     """Train tokenizer + model and save them atomically into out_dir; returns the report."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
     t0 = time.monotonic()
     out_dir = Path(out_dir)
     fingerprint = config_fingerprint(cfg, _data_identity(conversations))
+    train_convs, eval_convs = _split_conversations(cfg, conversations)
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)  # always: the thread count is part of the recipe
+    try:
+        built = _train_target(cfg, train_convs, eval_convs, progress)
+        built.report["torch_threads"] = torch.get_num_threads()
+        built.model.to("cpu")
+    finally:
+        torch.set_num_threads(threads_before)
+
+    report = {
+        "fingerprint": fingerprint,
+        "recipe_version": RECIPE_VERSION,
+        "config": cfg.model_dump(mode="json"),
+        "train_conversations": len(train_convs),
+        "eval_conversations": len(eval_convs),
+        **built.report,
+        "total_seconds": round(time.monotonic() - t0, 2),
+    }
+    report = {key: report[key] for key in _REPORT_ORDER}
+    if cfg.fail_on_degenerate:
+        check_answers(report["answers"])  # raises before anything is saved
+    _save_atomically(out_dir, built.model, built.tokenizer, built.gen_cfg, report)
+    return report
+
+
+# The report's keys in the order they are written (demo_target.json).
+_REPORT_ORDER = (
+    "fingerprint", "recipe_version", "config", "parameters", "vocab_size", "tokenizer_size", "train_conversations",
+    "eval_conversations", "steps", "tokens_seen", "train_loss_first", "train_loss", "eval_loss_initial", "eval_loss",
+    "eval_blocks", "train_seconds", "total_seconds", "torch_threads", "answers")
+
+
+@dataclass
+class _Built:
+    """A trained target before it is saved, with its part of the report."""
+
+    model: Any
+    tokenizer: Any
+    gen_cfg: Any
+    report: dict
+
+
+def _split_conversations(cfg: DemoTargetConfig, conversations: list[dict] | None) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) conversations; ShareGPT when none are given."""
     if conversations is None:
         from drafter.prepare.sources import load_sharegpt
 
@@ -182,86 +227,45 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
     train_convs = conversations[:-cfg.eval_conversations][:cfg.train_conversations]
     if cfg.collapse_whitespace:
         train_convs, eval_convs = _collapsed(train_convs), _collapsed(eval_convs)
+    return train_convs, eval_convs
 
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)  # always: the thread count is part of the recipe
-    try:
-        torch.manual_seed(cfg.seed)
-        tokenizer = build_tokenizer(
-            (m["content"] for c in train_convs[:cfg.tokenizer_texts] for m in c["messages"]),
-            cfg.vocab_size)
-        render = lambda convs: [tokenizer.apply_chat_template(c["messages"], tokenize=False)
-                                for c in convs]
-        train_texts, eval_texts = render(train_convs), render(eval_convs)
 
-        eot_id, end_id = tokenizer.convert_tokens_to_ids([EOT, EOT_TEXT])
-        model_cfg = LlamaConfig(
-            vocab_size=max(cfg.vocab_size, len(tokenizer)), hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-            max_position_embeddings=cfg.max_position_embeddings, rope_theta=10000.0,
-            tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=eot_id,
-            pad_token_id=tokenizer.pad_token_id)
-        device = torch.device(cfg.device)
-        model = LlamaForCausalLM(model_cfg).to(device)
-        model.train()
-        # bf16 autocast on a GPU (fp32 master weights); exact fp32 on the CPU, as before.
-        autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" \
-            else contextlib.nullcontext
-        n_params = sum(p.numel() for p in model.parameters())
+def _train_target(cfg: DemoTargetConfig, train_convs: list[dict], eval_convs: list[dict],
+                  progress: Callable[[int, int | None, float], None] | None) -> _Built:
+    """Tokenizer, model, `max_steps` training steps, held-out loss and greedy answers."""
+    from transformers import GenerationConfig
 
-        eval_blocks = _first_blocks(tokenizer, eval_texts, cfg.seq_len, limit=64)
-        eval_initial = _eval_loss(model, eval_blocks, cfg.batch_size)
-        optim = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95),
-                                  weight_decay=0.1)
-        blocks = _packed_blocks(tokenizer, train_texts, cfg.seq_len, random.Random(cfg.seed))
+    torch.manual_seed(cfg.seed)
+    tokenizer = build_tokenizer(
+        (m["content"] for c in train_convs[:cfg.tokenizer_texts] for m in c["messages"]),
+        cfg.vocab_size)
+    render = lambda convs: [tokenizer.apply_chat_template(c["messages"], tokenize=False)
+                            for c in convs]
+    train_texts, eval_texts = render(train_convs), render(eval_convs)
 
-        # Exactly max_steps steps; the schedule follows the step count only. The clock is read for
-        # the report and the optional hard limit, never to decide what is trained.
-        t_train, losses = time.monotonic(), []
-        for step in range(cfg.max_steps):
-            for group in optim.param_groups:
-                group["lr"] = cfg.learning_rate * _lr_factor(step / cfg.max_steps)
-            x = torch.tensor([next(blocks) for _ in range(cfg.batch_size)], device=device)
-            with autocast():
-                loss = model(input_ids=x, labels=x).loss
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optim.step()
-            losses.append(loss.item())
-            if progress is not None:
-                progress(step + 1, cfg.max_steps, losses[-1])
-            elapsed = time.monotonic() - t_train
-            if cfg.train_seconds is not None and elapsed > cfg.train_seconds:
-                raise DemoTargetError(
-                    f"demo target: training exceeded train_seconds={cfg.train_seconds:g} at step "
-                    f"{step + 1}/{cfg.max_steps} ({elapsed:.0f} s); nothing saved (the step budget is "
-                    f"never cut short): raise or remove target.demo.train_seconds")
-        train_seconds = time.monotonic() - t_train
-        eval_final = _eval_loss(model, eval_blocks, cfg.batch_size)
-        gen_cfg = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=[eot_id, end_id],
-                                   pad_token_id=tokenizer.pad_token_id, do_sample=False)
-        t_answers = time.monotonic()
-        answers = answer_report(model, tokenizer, held_out_prompts(eval_convs), gen_cfg,
-                                limit=cfg.answer_prompts, max_new_tokens=cfg.answer_tokens,
-                                max_positions=cfg.max_position_embeddings)
-        answers["seconds"] = round(time.monotonic() - t_answers, 2)
-        torch_threads = torch.get_num_threads()
-        model.to("cpu")
-    finally:
-        torch.set_num_threads(threads_before)
+    eot_id, end_id = tokenizer.convert_tokens_to_ids([EOT, EOT_TEXT])
+    model = _new_model(cfg, tokenizer, eot_id)
+    n_params = sum(p.numel() for p in model.parameters())
 
+    eval_blocks = _first_blocks(tokenizer, eval_texts, cfg.seq_len, limit=64)
+    eval_initial = _eval_loss(model, eval_blocks, cfg.batch_size)
+    blocks = _packed_blocks(tokenizer, train_texts, cfg.seq_len, random.Random(cfg.seed))
+    t_train = time.monotonic()
+    losses = _train_steps(cfg, model, blocks, t_train, progress)
+    train_seconds = time.monotonic() - t_train
+    eval_final = _eval_loss(model, eval_blocks, cfg.batch_size)
+    gen_cfg = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=[eot_id, end_id],
+                               pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    t_answers = time.monotonic()
+    answers = answer_report(model, tokenizer, held_out_prompts(eval_convs), gen_cfg,
+                            limit=cfg.answer_prompts, max_new_tokens=cfg.answer_tokens,
+                            max_positions=cfg.max_position_embeddings)
+    answers["seconds"] = round(time.monotonic() - t_answers, 2)
     tail = losses[-10:] or [float("nan")]
     report = {
-        "fingerprint": fingerprint,
-        "recipe_version": RECIPE_VERSION,
-        "config": cfg.model_dump(mode="json"),
         "parameters": n_params,
-        "vocab_size": model_cfg.vocab_size,
+        "vocab_size": model.config.vocab_size,
         "tokenizer_size": len(tokenizer),
-        "train_conversations": len(train_convs),
-        "eval_conversations": len(eval_convs),
         "steps": len(losses),
         "tokens_seen": len(losses) * cfg.batch_size * cfg.seq_len,
         "train_loss_first": losses[0] if losses else None,
@@ -270,14 +274,58 @@ def build_demo_target(cfg: DemoTargetConfig, out_dir: str | Path,
         "eval_loss": eval_final,
         "eval_blocks": len(eval_blocks),
         "train_seconds": round(train_seconds, 2),
-        "total_seconds": round(time.monotonic() - t0, 2),
-        "torch_threads": torch_threads,
         "answers": answers,
     }
-    if cfg.fail_on_degenerate:
-        check_answers(answers)  # raises before anything is saved
-    _save_atomically(out_dir, model, tokenizer, gen_cfg, report)
-    return report
+    return _Built(model, tokenizer, gen_cfg, report)
+
+
+def _new_model(cfg: DemoTargetConfig, tokenizer, eot_id: int):
+    """A freshly initialised LlamaForCausalLM of the configured shape, on cfg.device, in train mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model_cfg = LlamaConfig(
+        vocab_size=max(cfg.vocab_size, len(tokenizer)), hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings, rope_theta=10000.0,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=eot_id,
+        pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(model_cfg).to(torch.device(cfg.device))
+    model.train()
+    return model
+
+
+def _train_steps(cfg: DemoTargetConfig, model, blocks: Iterator[list[int]], t_train: float,
+                 progress: Callable[[int, int | None, float], None] | None) -> list[float]:
+    """Exactly max_steps steps; the schedule follows the step count only. The clock is read for
+    the report and the optional hard limit, never to decide what is trained. Returns the losses."""
+    device = torch.device(cfg.device)
+    # bf16 autocast on a GPU (fp32 master weights); exact fp32 on the CPU, as before.
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" \
+        else contextlib.nullcontext
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95),
+                              weight_decay=0.1)
+    losses: list[float] = []
+    for step in range(cfg.max_steps):
+        for group in optim.param_groups:
+            group["lr"] = cfg.learning_rate * _lr_factor(step / cfg.max_steps)
+        x = torch.tensor([next(blocks) for _ in range(cfg.batch_size)], device=device)
+        with autocast():
+            loss = model(input_ids=x, labels=x).loss
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        losses.append(loss.item())
+        if progress is not None:
+            progress(step + 1, cfg.max_steps, losses[-1])
+        elapsed = time.monotonic() - t_train
+        if cfg.train_seconds is not None and elapsed > cfg.train_seconds:
+            raise DemoTargetError(
+                f"demo target: training exceeded train_seconds={cfg.train_seconds:g} at step "
+                f"{step + 1}/{cfg.max_steps} ({elapsed:.0f} s); nothing saved (the step budget is "
+                f"never cut short): raise or remove target.demo.train_seconds")
+    return losses
 
 
 def held_out_prompts(conversations: list[dict]) -> list[list[dict]]:

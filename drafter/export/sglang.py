@@ -142,11 +142,31 @@ def check_sglang_export(out_dir: str | Path, source: Eagle3Drafter, target: Targ
     from safetensors.torch import load_file
 
     out_dir = Path(out_dir)
-    problems: list[str] = []
     try:
         data = json.loads((out_dir / CONFIG_FILE).read_text())
     except (OSError, ValueError) as err:
         return [f"{CONFIG_FILE}: unreadable ({err})"]
+    problems = _config_problems(data, source, target, our_aux_ids, sglang_version)
+    try:
+        tensors = load_file(str(out_dir / WEIGHTS_FILE))
+    except Exception as err:  # safetensors raises its own error types
+        return problems + [f"{WEIGHTS_FILE}: unreadable ({err})"]
+    try:
+        cfg = Eagle3DraftConfig.from_json_dict(data)
+    except DrafterError as err:
+        return problems + [str(err)]
+    problems += _layout_problems(tensors, cfg, source, target)
+    if problems:
+        return problems
+    problems += check_drafter_weights(cfg, tensors)  # dtypes, d2t/t2d consistency
+    return problems + _value_problems(tensors, source, target)
+
+
+def _config_problems(data: dict, source: Eagle3Drafter, target: TargetInfo, our_aux_ids: list[int],
+                     sglang_version: str) -> list[str]:
+    """The config.json fields SGLang reads: present, the layer ids for this engine version, and the
+    shape of the trained drafter and the target."""
+    problems: list[str] = []
     missing = [f for f in SGLANG_CONFIG_FIELDS if f not in data]
     eagle = data.get("eagle_config") or {}
     missing += [f"eagle_config.{f}" for f in EAGLE_CONFIG_FIELDS if f not in eagle]
@@ -175,14 +195,13 @@ def check_sglang_export(out_dir: str | Path, source: Eagle3Drafter, target: Targ
         if key in data and data[key] != want:
             who = "the target" if key in ("vocab_size", "target_hidden_size") else "the trained drafter"
             problems.append(f"{CONFIG_FILE} {key}={data[key]!r}, expected {want!r} (from {who})")
-    try:
-        tensors = load_file(str(out_dir / WEIGHTS_FILE))
-    except Exception as err:  # safetensors raises its own error types
-        return problems + [f"{WEIGHTS_FILE}: unreadable ({err})"]
-    try:
-        cfg = Eagle3DraftConfig.from_json_dict(data)
-    except DrafterError as err:
-        return problems + [str(err)]
+    return problems
+
+
+def _layout_problems(tensors: dict[str, torch.Tensor], cfg: Eagle3DraftConfig, source: Eagle3Drafter,
+                     target: TargetInfo) -> list[str]:
+    """The weights' keys and shapes against the SGLang layout (the embedding: the target's shape)."""
+    problems: list[str] = []
     expected = EXPECTED_KEYS(cfg)
     missing_keys = sorted((set(expected) | {EMBED_KEY}) - set(tensors))
     unknown = sorted(set(tensors) - set(expected) - {EMBED_KEY})
@@ -198,14 +217,16 @@ def check_sglang_export(out_dir: str | Path, source: Eagle3Drafter, target: Targ
         problems.append(f"{WEIGHTS_FILE} has keys outside the SGLang layout (SGLang silently drops keys it does "
                         f"not know): {unknown}{hint}")
     shapes = {k: shape for k, (shape, _) in expected.items()}
-    shapes[EMBED_KEY] = (target.vocab_size, sc.hidden_size)
+    shapes[EMBED_KEY] = (target.vocab_size, source.config.hidden_size)
     for key in sorted(set(tensors) & set(shapes)):
         if tuple(tensors[key].shape) != tuple(shapes[key]):
             problems.append(f"{key}: shape {list(tensors[key].shape)}, expected {list(shapes[key])}")
-    if problems:
-        return problems
-    problems += check_drafter_weights(cfg, tensors)  # dtypes, d2t/t2d consistency
-    # The values: the trained drafter's tensors, the target's embedding.
+    return problems
+
+
+def _value_problems(tensors: dict[str, torch.Tensor], source: Eagle3Drafter, target: TargetInfo) -> list[str]:
+    """The values: the trained drafter's tensors (the draft vocab named), the target's embedding."""
+    problems: list[str] = []
     src = {k: v.detach().cpu() for k, v in source.state_dict().items() if k != EMBED_KEY}
     d2t = tensors["d2t"]
     if not torch.any(d2t) and torch.any(src["d2t"]):

@@ -9,6 +9,7 @@ checkpoints at `save_every_steps`, at the end, and on SIGTERM (then TrainingInte
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import signal
 import threading
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.config import LifecycleConfig
+from drafter.config import LifecycleConfig, TrainConfig
 from drafter.layers import LAYER_ID_CONVENTION
 from drafter.model import (Eagle3Drafter, draft_config_for_target, load_drafter, read_target_config,
                            save_drafter, set_draft_vocab)
@@ -169,8 +170,8 @@ def train_drafter(cfg: LifecycleConfig, store: ObjectStore, train_split: DumpSpl
     eval_reader = (DumpReader(store, eval_split, expect, shuffle=False, **reader_kw)
                    if eval_split is not None else None)
     try:
-        return _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run_fingerprint, out_dir,
-                      progress)
+        return _train(_Run(cfg, store, d, target, aux_ids, train_reader, eval_reader, run_fingerprint, out_dir,
+                           progress))
     finally:
         train_reader.close()
         if eval_reader is not None:
@@ -192,15 +193,104 @@ def _build_model(cfg: LifecycleConfig, target: dict, aux_ids: list[int], train_r
     return model.train(), "counted"
 
 
-def _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run, out_dir, progress) -> TrainResult:
-    tc = cfg.train
-    model, vocab_source = _build_model(cfg, target, aux_ids, train_reader)
+@dataclass
+class _Run:
+    """Everything one training run works with, as `train_drafter` set it up."""
+
+    cfg: LifecycleConfig
+    store: ObjectStore
+    d: distributed.Dist
+    target: dict                    # the target's config.json (text model)
+    aux_ids: list[int]
+    train_reader: DumpReader
+    eval_reader: DumpReader | None
+    run: str                        # the train stage's fingerprint: names this run's checkpoints
+    out_dir: Path
+    progress: Callable[..., None] | None
+
+
+@dataclass
+class _Parts:
+    """The drafter on the run's device and what trains it."""
+
+    model: Eagle3Drafter
+    vocab_source: str               # "init_from" or "counted"
+    dtype: torch.dtype              # compute dtype
+    embed: torch.Tensor             # the target's embedding, on the CPU: only the batch's rows travel
+    head: TargetHead
+    module: torch.nn.Module         # TTTModule, wrapped for DDP / FSDP2
+    graphed: GraphedTTT | None
+    opt: MasterAdamW
+
+
+@dataclass
+class _Schedule:
+    per_step: int                   # tokens per optimizer step (the global batch)
+    total: int                      # planned optimizer steps
+    warmup: int
+    peak_lr: float
+
+
+@dataclass
+class _State:
+    """Where the loop is: what a checkpoint holds (step .. acc_tokens), then this process's own
+    bookkeeping (last save, log interval)."""
+
+    acc: torch.Tensor               # TTT stats summed since the last train row
+    step: int = 0
+    cursor: Cursor = field(default_factory=Cursor)
+    rows: list[dict] = field(default_factory=list)
+    acc_tokens: int = 0
+    resumed_from: int | None = None
+    saved_at: int | None = None
+    last_uri: str | None = None
+    t_log: float = 0.0
+    tok_log: int = 0
+
+
+def _train(r: _Run) -> TrainResult:
+    tc = r.cfg.train
+    p = _set_up(r)
+    sched = _schedule(tc, r.train_reader)
+    st = _resume(r, p)
+    packer = Packer(tc.tokens_per_micro_batch, tc.max_length)
+    batches = packer.batches(r.train_reader.samples(st.cursor, tc.epochs), Cursor(tc.epochs, 0, 0))
+    st.t_log = time.perf_counter()
+    with _Sigterm() as sigterm:
+        while tc.max_steps is None or st.step < tc.max_steps:
+            group = list(itertools.islice(batches, tc.micro_batches_per_step))
+            if len(group) < tc.micro_batches_per_step:
+                break  # the last incomplete global batch is dropped (same for any world size)
+            _optimizer_step(r, p, sched, st, group)
+            _at_intervals(r, p, st, sched.total)
+            if r.d.any(sigterm.hit):
+                if st.saved_at != st.step:
+                    _save(r, p, st)
+                raise TrainingInterrupted(f"SIGTERM at step {st.step}: checkpoint written, a re-run resumes from it")
+    if st.acc_tokens:
+        st.rows.append({"split": "train", "step": st.step, "tokens": st.acc_tokens, **summarize(st.acc)})
+        st.acc.zero_()
+        st.acc_tokens = 0
+    if r.eval_reader is not None and not (st.rows and st.rows[-1]["split"] == "eval" and st.rows[-1]["step"] == st.step):
+        st.rows.append({"split": "eval", "step": st.step, **_evaluate_run(r, p)})
+    if st.saved_at != st.step or st.last_uri is None:
+        st.last_uri = _save(r, p, st)
+    result = _finish(r, p, st)
+    result.meta.update(peak_lr=sched.peak_lr, tokens_per_step=sched.per_step, planned_steps=sched.total)
+    return result
+
+
+def _set_up(r: _Run) -> _Parts:
+    """The drafter (from init_from or new, its draft vocab), the teacher head, the parallel wrapper
+    and the optimizer; refuses settings that cannot run here."""
+    tc, d = r.cfg.train, r.d
+    model, vocab_source = _build_model(r.cfg, r.target, r.aux_ids, r.train_reader)
     log.info("draft vocab: %s (%d tokens)", "taken from init_from drafter " + str(tc.init_from)
              if vocab_source == "init_from" else "counted over the training dump", model.config.draft_vocab_size)
     dtype = _compute_dtype(tc.dtype, d.device)
     param_dtype = torch.float32 if (tc.parallel == "fsdp" and d.active) else dtype
     model.to(device=d.device, dtype=param_dtype)
-    embed, lm_head = load_target_head(cfg.target.path)
+    embed, lm_head = load_target_head(r.cfg.target.path)
     head = TargetHead(lm_head, model.t2d, d.device, dtype, tc.vocab_chunk)
     embed = embed.to(dtype)  # stays on the CPU: only the batch's rows travel
     del lm_head
@@ -216,107 +306,99 @@ def _train(cfg, store, d, target, aux_ids, train_reader, eval_reader, run, out_d
     opt = MasterAdamW(list(model.parameters()), tc.learning_rate, tc.adam_betas, tc.adam_eps, tc.weight_decay,
                       state_dtype=getattr(torch, tc.optimizer_state_dtype), compile=tc.compile,
                       keep_grads=graphed is not None)
+    return _Parts(model, vocab_source, dtype, embed, head, module, graphed, opt)
 
+
+def _schedule(tc: TrainConfig, train_reader: DumpReader) -> _Schedule:
     per_step = tc.tokens_per_micro_batch * tc.micro_batches_per_step
     total = tc.max_steps or max(1, -(-tc.epochs * train_reader.num_tokens // per_step))
     warmup = int(tc.warmup_ratio * total)
     peak_lr = peak_learning_rate(tc.learning_rate, per_step, tc.lr_scaling)
     log.info("%d optimizer steps of %d tokens, peak lr %.3g (%s scaling), %d warm-up steps",
              total, per_step, peak_lr, tc.lr_scaling, warmup)
-    step, cursor, rows = 0, Cursor(), []
-    acc = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64)
-    acc_tokens, resumed_from = 0, None
-    state = ckpt.latest_checkpoint(store, run)
-    if state is not None:
-        _load_state(model, opt, state, d, tc)
-        step, cursor, rows = state["step"], Cursor.from_json(state["cursor"]), list(state["metrics"])
-        acc, acc_tokens = state["acc"].clone(), int(state["acc_tokens"])
-        _set_rng_state(state["rng"])
-        resumed_from = step
-        log.info("resumed from checkpoint step %d", step)
-    else:
+    return _Schedule(per_step, total, warmup, peak_lr)
+
+
+def _resume(r: _Run, p: _Parts) -> _State:
+    """The state of this run's newest checkpoint that verifies (model, optimizer and RNG restored),
+    else a fresh start (seeded)."""
+    tc = r.cfg.train
+    st = _State(acc=torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64))
+    state = ckpt.latest_checkpoint(r.store, r.run)
+    if state is None:
         torch.manual_seed(tc.seed)
+        return st
+    _load_state(p.model, p.opt, state, r.d, tc)
+    st.step, st.cursor, st.rows = state["step"], Cursor.from_json(state["cursor"]), list(state["metrics"])
+    st.acc, st.acc_tokens = state["acc"].clone(), int(state["acc_tokens"])
+    _set_rng_state(state["rng"])
+    st.resumed_from = st.saved_at = st.step
+    log.info("resumed from checkpoint step %d", st.step)
+    return st
 
-    def snapshot() -> dict:
-        return {"run": run, "step": step, "cursor": cursor.to_json(), "metrics": rows, "acc": acc.clone(),
-                "acc_tokens": acc_tokens, "rng": _rng_state(), **_model_state(model, opt, d, tc)}
 
-    def save() -> str:
-        s = snapshot()  # every rank takes part in gathering FSDP2 shards
-        uri = ckpt.save_checkpoint(store, run, step, s, tc.keep_checkpoints) if d.is_main else ""
-        d.barrier()
-        return uri or ckpt.checkpoint_uri(store, run, step)
+def _save(r: _Run, p: _Parts, st: _State) -> str:
+    """Checkpoint the run at its current step; returns the checkpoint's URI."""
+    tc = r.cfg.train
+    snapshot = {"run": r.run, "step": st.step, "cursor": st.cursor.to_json(), "metrics": st.rows,
+                "acc": st.acc.clone(), "acc_tokens": st.acc_tokens, "rng": _rng_state(),
+                **_model_state(p.model, p.opt, r.d, tc)}  # every rank takes part in gathering FSDP2 shards
+    uri = ckpt.save_checkpoint(r.store, r.run, st.step, snapshot, tc.keep_checkpoints) if r.d.is_main else ""
+    r.d.barrier()
+    return uri or ckpt.checkpoint_uri(r.store, r.run, st.step)
 
-    packer = Packer(tc.tokens_per_micro_batch, tc.max_length)
-    end = Cursor(tc.epochs, 0, 0)
-    batches = packer.batches(train_reader.samples(cursor, tc.epochs), end)
-    last_uri = None
-    t_log, tok_log = time.perf_counter(), 0
-    saved_at = step if state is not None else None
-    with _Sigterm() as sigterm:
-        while tc.max_steps is None or step < tc.max_steps:
-            group = []
-            for _ in range(tc.micro_batches_per_step):
-                nxt = next(batches, None)
-                if nxt is None:
-                    break
-                group.append(nxt)
-            if len(group) < tc.micro_batches_per_step:
-                break  # the last incomplete global batch is dropped (same for any world size)
-            norm = float(sum(g[1].num_tokens for g in group))
-            mine = group[d.rank::d.world]
-            stats = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64, device=d.device)
-            for i, (_c, mb, _n) in enumerate(mine):
-                if graphed is not None:  # one replay adds this micro-batch's gradients
-                    sb = plan_static(mb, tc.ttt_length, tc.ttt_decay, norm, tc.tokens_per_micro_batch, embed=embed)
-                    stats += graphed(sb)[1]
-                    continue
-                si = prepare(mb, embed, head, tc.ttt_length, d.device, dtype)
-                sync = i == len(mine) - 1
-                with _no_sync(module, d, tc.parallel, sync):
-                    loss, st = module(si, tc.ttt_decay, norm, "auto", tc.compile)
-                    # DDP / FSDP2 average gradients over ranks; the loss is already a global sum.
-                    (loss * d.world).backward()
-                stats += st
-            d.all_sum(stats)
-            clip_gradients(list(model.parameters()), tc.max_grad_norm)
-            opt.set_lr(peak_lr * lr_factor(step, warmup, total, tc.min_lr_ratio))
-            opt.step()
-            opt.zero_grad()
-            step += 1
-            cursor = group[-1][2]
-            acc += stats.cpu()
-            acc_tokens += int(norm)
-            tok_log += int(norm)
-            if step % tc.log_every_steps == 0:
-                now = time.perf_counter()
-                rows.append({"split": "train", "step": step, "tokens": acc_tokens, **summarize(acc)})
-                info = {"loss": rows[-1]["loss"][0], "accept_length": rows[-1]["accept_length"],
-                        "tokens_per_s": tok_log / max(now - t_log, 1e-9)}
-                acc.zero_()
-                acc_tokens, t_log, tok_log = 0, now, 0
-                if progress:
-                    progress(step, total, info)
-            if eval_reader is not None and step % tc.eval_every_steps == 0:
-                rows.append({"split": "eval", "step": step, **_evaluate(module, eval_reader, embed, head, d, tc, dtype)})
-            if step % tc.save_every_steps == 0:
-                last_uri, saved_at = save(), step
-            if d.any(sigterm.hit):
-                if saved_at != step:
-                    save()
-                raise TrainingInterrupted(f"SIGTERM at step {step}: checkpoint written, a re-run resumes from it")
-    if acc_tokens:
-        rows.append({"split": "train", "step": step, "tokens": acc_tokens, **summarize(acc)})
-        acc.zero_()
-        acc_tokens = 0
-    if eval_reader is not None and not (rows and rows[-1]["split"] == "eval" and rows[-1]["step"] == step):
-        rows.append({"split": "eval", "step": step, **_evaluate(module, eval_reader, embed, head, d, tc, dtype)})
-    if saved_at != step or last_uri is None:
-        last_uri = save()
-    result = _finish(model, opt, d, tc, rows, out_dir, last_uri, step, resumed_from, vocab_source,
-                     train_reader, eval_reader, aux_ids)
-    result.meta.update(peak_lr=peak_lr, tokens_per_step=per_step, planned_steps=total)
-    return result
+
+def _optimizer_step(r: _Run, p: _Parts, sched: _Schedule, st: _State, group: list) -> None:
+    """One optimizer step over a global batch: this rank's share of its micro-batches (gradients
+    all-reduced on the last one), clipping, AdamW; the step's stats added to `st`."""
+    tc, d = r.cfg.train, r.d
+    norm = float(sum(g[1].num_tokens for g in group))
+    mine = group[d.rank::d.world]
+    stats = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64, device=d.device)
+    for i, (_c, mb, _n) in enumerate(mine):
+        if p.graphed is not None:  # one replay adds this micro-batch's gradients
+            sb = plan_static(mb, tc.ttt_length, tc.ttt_decay, norm, tc.tokens_per_micro_batch, embed=p.embed)
+            stats += p.graphed(sb)[1]
+            continue
+        si = prepare(mb, p.embed, p.head, tc.ttt_length, d.device, p.dtype)
+        sync = i == len(mine) - 1
+        with _no_sync(p.module, d, tc.parallel, sync):
+            loss, stat = p.module(si, tc.ttt_decay, norm, "auto", tc.compile)
+            # DDP / FSDP2 average gradients over ranks; the loss is already a global sum.
+            (loss * d.world).backward()
+        stats += stat
+    d.all_sum(stats)
+    clip_gradients(list(p.model.parameters()), tc.max_grad_norm)
+    p.opt.set_lr(sched.peak_lr * lr_factor(st.step, sched.warmup, sched.total, tc.min_lr_ratio))
+    p.opt.step()
+    p.opt.zero_grad()
+    st.step += 1
+    st.cursor = group[-1][2]
+    st.acc += stats.cpu()
+    st.acc_tokens += int(norm)
+    st.tok_log += int(norm)
+
+
+def _at_intervals(r: _Run, p: _Parts, st: _State, total: int) -> None:
+    """After a step: train metrics + progress, held-out metrics, a checkpoint, each at its interval."""
+    tc = r.cfg.train
+    if st.step % tc.log_every_steps == 0:
+        now = time.perf_counter()
+        st.rows.append({"split": "train", "step": st.step, "tokens": st.acc_tokens, **summarize(st.acc)})
+        info = {"loss": st.rows[-1]["loss"][0], "accept_length": st.rows[-1]["accept_length"],
+                "tokens_per_s": st.tok_log / max(now - st.t_log, 1e-9)}
+        st.acc.zero_()
+        st.acc_tokens, st.t_log, st.tok_log = 0, now, 0
+        if r.progress:
+            r.progress(st.step, total, info)
+    if r.eval_reader is not None and st.step % tc.eval_every_steps == 0:
+        st.rows.append({"split": "eval", "step": st.step, **_evaluate_run(r, p)})
+    if st.step % tc.save_every_steps == 0:
+        st.last_uri, st.saved_at = _save(r, p, st), st.step
+
+
+def _evaluate_run(r: _Run, p: _Parts) -> dict:
+    return _evaluate(p.module, r.eval_reader, p.embed, p.head, r.d, r.cfg.train, p.dtype)
 
 
 class _no_sync:
@@ -431,9 +513,12 @@ def _export_state(model, opt: MasterAdamW, d, tc) -> dict:
     return sd
 
 
-def _finish(model, opt, d, tc, rows, out_dir, ckpt_uri, step, resumed_from, vocab_source,
-            train_reader, eval_reader, aux_ids) -> TrainResult:
-    sd = _export_state(model, opt, d, tc)
+def _finish(r: _Run, p: _Parts, st: _State) -> TrainResult:
+    """Write the trained drafter (SGLang format), metrics.jsonl and curves.png (rank 0); the
+    manifest's meta."""
+    model, d, tc, rows, out_dir, ckpt_uri = p.model, r.d, r.cfg.train, st.rows, r.out_dir, st.last_uri
+    train_reader, eval_reader = r.train_reader, r.eval_reader
+    sd = _export_state(model, p.opt, d, tc)
     drafter_dir = out_dir / "drafter"
     metrics_path, curves_path = out_dir / METRICS_FILE, out_dir / CURVES_FILE
     if d.is_main:
@@ -445,13 +530,13 @@ def _finish(model, opt, d, tc, rows, out_dir, ckpt_uri, step, resumed_from, voca
         metrics_path.write_bytes(to_jsonl(rows))
         curves_path.write_bytes(plot_png(rows))
     d.barrier()
-    last = lambda split: next((r for r in reversed(rows) if r["split"] == split), None)
+    last = lambda split: next((row for row in reversed(rows) if row["split"] == split), None)
     meta = {
-        "steps": step, "resumed_from_step": resumed_from, "checkpoint": ckpt_uri,
-        "vocab_source": vocab_source, "init_from": tc.init_from,
+        "steps": st.step, "resumed_from_step": st.resumed_from, "checkpoint": ckpt_uri,
+        "vocab_source": p.vocab_source, "init_from": tc.init_from,
         "draft_vocab_size": model.config.draft_vocab_size,
         "draft_vocab_ids_head": ids_from_maps(model.d2t.cpu())[:8].tolist(),
-        "aux_layer_ids": list(aux_ids), "layer_id_convention": LAYER_ID_CONVENTION,
+        "aux_layer_ids": list(r.aux_ids), "layer_id_convention": LAYER_ID_CONVENTION,
         "train_dump": train_reader.manifest.fingerprint,
         "eval_dump": eval_reader.manifest.fingerprint if eval_reader else None,
         "world_size": d.world, "parallel": tc.parallel if d.active else "single",
