@@ -2,7 +2,8 @@
 
 Engines: `sglang`, `vllm` (production), `reference` (our own server, SGLang-compatible endpoints
 and start-up lines) and `command` (any user command plus a health URL). Each lives in its own
-module and subclasses `base.Engine`; adding one is its module plus its line in `_ENGINES` below.
+module and subclasses `base.Engine`; adding one is its module plus its entry in `_ENGINES` below
+(with the import of its class).
 
 How a chat completion is asked for the token ids it generated, and where each engine puts them
 (`TOKEN_IDS_REQUEST`, `answer_token_ids`), is engine-independent (`answers`): datagen talks to

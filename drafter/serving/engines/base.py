@@ -31,6 +31,9 @@ from drafter.serving.errors import ServerConfigError
 GenerateStyle = Literal["sglang", "openai"]
 
 
+# ServeConfig field -> engine flag tables (sglang.SGLANG_OPTION_FLAGS, vllm.VLLM_OPTION_FLAGS). Booleans
+# become bare flags when true; other values are passed when set. One table per engine keeps the two
+# command lines from drifting apart.
 def _option_flags(serve, flags: dict[str, str]) -> list[str]:
     argv: list[str] = []
     for field, flag in flags.items():
