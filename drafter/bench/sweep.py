@@ -36,6 +36,7 @@ import httpx
 from drafter.bench.measure import ClientApi, MeasurementError, Prompt, measure
 from drafter.bench.plan import FLUSH_CACHE, SGLANG_API, STREAMING, ServerPlan, SweepPlan, server_config
 from drafter.config import LifecycleConfig
+from drafter.errors import is_retryable
 from drafter.serving.errors import ServerConfigError, ServerStartError
 from drafter.serving.host import port_free
 from drafter.serving.session import ServedServer, ServerSession
@@ -56,49 +57,53 @@ def launch_name(key: str, n: int) -> str:
     return f"launches/{key}-{n:03d}.json"
 
 
-# Failure kinds: whether the same attempt can succeed later unchanged, and what a person does.
+# Failure kinds and what a person does about each. Whether a retry may fix a failure is the error's
+# own (`retryable`, drafter.errors), decided where it is caught (start_failure / measure_failure).
 # Either way the next run re-checks the failure instead of repeating its record.
-FIXES: dict[str, tuple[bool, str]] = {
-    "port_taken": (True, "free the port (the message names its holder) or set serve.port to another base port; "
-                         "the next run retries it"),
-    "crashed": (True, "a retry may fix it (the next run launches it again); if it keeps crashing, read the server log"),
-    "stalled": (True, "a retry may fix it (the next run launches it again); if it keeps stalling, read the server "
-                      "log and raise serve.stall_timeout_s only if the phase is just slow"),
-    "health_timeout": (True, "a retry may fix it (the next run launches it again); if it keeps timing out, read the "
-                             "server log and raise serve.startup_timeout_s only if the start is just slow"),
-    "config_error": (False, "change what the message names (serve settings, paths, GPUs in use); the next run "
-                            "launches it again to check"),
-    "crashed_while_measuring": (True, "the server died while measuring: the next run launches it again; if it "
-                                      "keeps dying, read the server log"),
-    "measurement_failed": (True, "a request failed (timeout, connection, server error): the next run measures it "
-                                 "again; bench.request_timeout_s is the per-request limit"),
-    "request_refused": (False, "the server refused the request: change what its answer names (bench.max_tokens, "
-                               "the prompts: bench.num_prompts or the prepared eval split, the serve settings); "
-                               "the next run measures it again to check"),
-    "error": (False, "read the message and the server log; the next run launches it again to check"),
-    "bad_answer": (False, "the server answered what the bench cannot read: check that serve.engine is the engine "
-                          "that runs; the next run measures it again to check"),
+FIXES: dict[str, str] = {
+    "port_taken": "free the port (the message names its holder) or set serve.port to another base port; "
+                       "the next run retries it",
+    "crashed": "a retry may fix it (the next run launches it again); if it keeps crashing, read the server log",
+    "stalled": "a retry may fix it (the next run launches it again); if it keeps stalling, read the server "
+                       "log and raise serve.stall_timeout_s only if the phase is just slow",
+    "health_timeout": "a retry may fix it (the next run launches it again); if it keeps timing out, read the "
+                       "server log and raise serve.startup_timeout_s only if the start is just slow",
+    "config_error": "change what the message names (serve settings, paths, GPUs in use); the next run "
+                       "launches it again to check",
+    "crashed_while_measuring": "the server died while measuring: the next run launches it again; if it "
+                       "keeps dying, read the server log",
+    "measurement_failed": "a request failed (timeout, connection, server error): the next run measures it "
+                       "again; bench.request_timeout_s is the per-request limit",
+    "request_refused": "the server refused the request: change what its answer names (bench.max_tokens, "
+                       "the prompts: bench.num_prompts or the prepared eval split, the serve settings); "
+                       "the next run measures it again to check",
+    "error": "read the message and the server log; the next run launches it again to check",
+    "bad_answer": "the server answered what the bench cannot read: check that serve.engine is the engine "
+                       "that runs; the next run measures it again to check",
 }
 
 
-def start_failure_kind(err: ServerStartError, host: str, port: int) -> str:
-    """The failure kind of a start. A preflight whose only problem is a port still held by another
-    process is `port_taken`: the holder's doing, not the configuration's, so a later run can pass."""
+def start_failure(err: ServerStartError, host: str, port: int) -> tuple[str, bool]:
+    """(kind, retryable) of a start: the error's own. A preflight whose only problem is a port still
+    held by another process is `port_taken`: the holder's doing, not the configuration's, so a
+    later run can pass."""
     problems = getattr(err, "problems", None) or []
     if isinstance(err, ServerConfigError) and err.phase == "preflight" and len(problems) == 1 \
             and not port_free(host, port):
-        return "port_taken"
-    return err.status
+        return "port_taken", True
+    return err.status, is_retryable(err)
 
 
-def measure_failure_kind(err: Exception, server_dead: bool) -> str:
+def measure_failure(err: Exception, server_dead: bool) -> tuple[str, bool]:
+    """(kind, retryable) of a measurement: a dead server may start next time; otherwise the error's
+    own (a refused request is refused again; an HTTP transport error may pass)."""
     if server_dead:
-        return "crashed_while_measuring"
-    if isinstance(err, MeasurementError) and not err.retryable:
-        return "request_refused"
+        return "crashed_while_measuring", True
+    if isinstance(err, MeasurementError):
+        return ("measurement_failed" if err.retryable else "request_refused"), err.retryable
     if isinstance(err, ValueError):  # an answer that is not the JSON the API promises
-        return "bad_answer"
-    return "measurement_failed"
+        return "bad_answer", False
+    return "measurement_failed", True  # httpx transport errors: timeouts, resets
 
 
 def _dumps(obj: Any) -> str:
@@ -189,8 +194,8 @@ class Sweep:
         for name in done:
             if name.startswith("failed/"):
                 record = json.loads(out.read_shard(name))
-                retryable, fix = FIXES.get(record.get("kind"), FIXES["error"])  # records older than FIXES
-                self.earlier[name[len("failed/"):-len(".json")]] = {"retryable": retryable, "fix": fix, **record}
+                fix = FIXES.get(record.get("kind"), FIXES["error"])  # records without a fix
+                self.earlier[name[len("failed/"):-len(".json")]] = {"retryable": False, "fix": fix, **record}
         self.cleared: dict[str, dict] = {}   # earlier failures this run measured past
         self.launch_counts: dict[str, int] = {}
         for name in done:
@@ -219,8 +224,9 @@ class Sweep:
             return self.cfg.serve.port + self.plan.servers.index(server)
         return self.cfg.serve.port
 
-    def _record_failure(self, server: ServerPlan, kind: str, message: str, detail: dict | None = None) -> None:
-        retryable, fix = FIXES.get(kind, FIXES["error"])
+    def _record_failure(self, server: ServerPlan, kind: str, retryable: bool, message: str,
+                        detail: dict | None = None) -> None:
+        fix = FIXES.get(kind, FIXES["error"])
         earlier = self.earlier.pop(server.key, None)
         record = {"key": server.key, "config": server.label, "kind": kind, "retryable": retryable, "fix": fix,
                   "message": message, "detail": detail or {}, "at": time.time(),
@@ -245,8 +251,8 @@ class Sweep:
         except ServerStartError as err:
             detail = err.to_dict()
             detail["log_path"] = str(session.log_path)
-            kind = start_failure_kind(err, cfg.serve.host, cfg.serve.port)
-            self._record_failure(server, kind, err.message, detail)
+            kind, retryable = start_failure(err, cfg.serve.host, cfg.serve.port)
+            self._record_failure(server, kind, retryable, err.message, detail)
             return None
         n = self.launch_counts.get(server.key, 0)
         self.launch_counts[server.key] = n + 1
@@ -281,7 +287,7 @@ class Sweep:
                              timeout_s=b.request_timeout_s)
         except (MeasurementError, httpx.HTTPError, ValueError) as err:
             dead = served.process is not None and served.process.poll() is not None
-            self._record_failure(server, measure_failure_kind(err, dead), str(err),
+            self._record_failure(server, *measure_failure(err, dead), str(err),
                                  {"round": round_index, "batch_size": batch_size, "log_path": str(served.log_path),
                                   "http_status": getattr(err, "status", None)})
             return False

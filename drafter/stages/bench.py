@@ -130,7 +130,7 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
     if held:
         # another process's port says nothing about the configuration: no report without it
         raise BenchError("port taken: " + "; ".join(f"{f['config']}: {f['message'].splitlines()[0]}" for f in held)
-                         + f"; {FIXES['port_taken'][1]}. Finished measurements stay committed in {out.uri}",
+                         + f"; {FIXES['port_taken']}. Finished measurements stay committed in {out.uri}",
                          retryable=True)
     servers = [(s.key, s.label) for s in plan.servers]
     b = cfg.bench
