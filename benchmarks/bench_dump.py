@@ -6,7 +6,7 @@
         --samples-per-shard 128 --storage-dtypes model float8_e4m3 --store-dir /dev/shm/dump-bench --out $OUT
 
 What it answers, per target shape and storage dtype (dump.storage_dtype), in the same process:
-- end to end: `drafter.stages.dump.run` (tokenise, forward, device-to-host, shard write, verified
+- end to end: the dump stage (`TABLE.run("dump", ...)`: tokenise, forward, device-to-host, shard write, verified
   upload to the store, commit), tokens/s over the whole call (model load included) and in the steady
   state (from the first shard's verified marker to the last: the pipeline's rate, load excluded);
 - forward only: the same samples and batches through the capture forward on the first device, the
@@ -38,7 +38,7 @@ from drafter.config import DemoTargetConfig, TargetConfig, parse_config
 from drafter.demo_target import build_demo_target, build_tokenizer
 from drafter.capture.shards import project_corpus
 from drafter.stage_output import StageOutput, to_jsonl
-from drafter.stages import dump
+from drafter.capture.plan import plan_dump
 from drafter.store import FileStore, ObjectStore, S3Store
 from drafter.tokenize import tokenize_conversation
 from drafter.stages import TABLE
@@ -179,7 +179,7 @@ def bench_run(path: Path, conversations: list[dict], args, storage: str) -> dict
 
 def forward_only(path: Path, cfg, samples: list[dict], args) -> dict:
     """The capture forward over the same samples and batches on the first device, model loaded."""
-    plan = dump.plan_dump(cfg, {"prepare": "bench000"})
+    plan = plan_dump(cfg, {"prepare": "bench000"})
     t = time.perf_counter()
     seqs = [tokenize_conversation(plan.tokenizer, c["messages"], args.max_length)[0] for c in samples]
     t_tok = time.perf_counter() - t
