@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 # ~/.cache/pip is what filled a CI disk once.
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: install vllm-env sglang-env test demo demo-retrain demo-ui demo-down clean-runs
+.PHONY: install vllm-env sglang-env test test-fast demo demo-retrain demo-ui demo-down clean-runs
 
 # vLLM is a serving engine with its own installation (as in production): a separate virtualenv whose
 # interpreter `serve.python` / `dump.python` name. Its CPU build runs the real-engine tests here.
@@ -72,6 +72,11 @@ $(SGLANG_VENV)/.installed: infra/sglang-cpu-requirements.txt
 # they fail (not skip) without them.
 test: install vllm-env sglang-env
 	DRAFTER_VLLM_PYTHON=$(abspath $(VLLM_PY)) DRAFTER_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) $(PY) -m pytest -q
+
+# The fast tier (tests/conftest.py says which tests): every library module's unit behaviour, no
+# real engines, no Prefect server, no real server processes. Needs no vLLM/SGLang venvs.
+test-fast: install
+	$(PY) -m pytest -q -m fast
 
 demo: install
 	infra/demo.sh

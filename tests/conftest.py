@@ -40,3 +40,33 @@ def prefect_server(tmp_path_factory):
         mp.setenv("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(home / "results"))
         with prefect_test_harness(server_startup_timeout=60):
             yield
+
+
+# Test tiers: `pytest -m fast` (`make test-fast`, ~2 min on 2 cores) and the full suite (`make test`).
+# The classification lives here only: every test is `fast` unless its module is listed in
+# SLOW_MODULES, it uses a fixture listed in SLOW_FIXTURES, or it carries `@pytest.mark.slow` (a single
+# slow test inside an otherwise fast module). Slow tests run in `make test` only.
+SLOW_MODULES = {
+    # Real engines in their own venvs (DRAFTER_VLLM_PYTHON / DRAFTER_SGLANG_PYTHON).
+    "test_vllm_capture", "test_vllm_engine", "test_vllm_judge",
+    "test_sglang_export", "test_sglang_rules", "test_sglang_server",
+    # Prefect end to end, and the serve task's retries through its own Prefect test server.
+    "test_e2e_prefect", "test_serve_task",
+    # Real server processes on loopback: launch, stall watchdog, teardown, reaping; bench sweeps.
+    "test_launcher", "test_server_lifecycle", "test_bench_sweep", "test_bench_hardening",
+    # Real multi-process training (torchrun, gloo): DDP/FSDP parity, kill -9 / SIGTERM of `drafter train`.
+    "test_training_distributed", "test_train_hardening",
+}
+SLOW_FIXTURES = {
+    "prefect_server",  # a Prefect test server (~11 s to start) and flow runs through it
+    "servers",  # tests/test_reference_server.py: six real reference-server processes (~50 s)
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+        slow = (module in SLOW_MODULES or item.get_closest_marker("slow") is not None
+                or not SLOW_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
+        if not slow:
+            item.add_marker(pytest.mark.fast)

@@ -34,6 +34,7 @@ def test_usage_errors_are_a_usage_line_and_exit_2(args, says):
     assert "Usage: drafter" in out.stderr and says in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_export_out_is_checked_before_the_stage_runs(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     onto_file = _run("export", "--config", "profiles/demo.yaml", "--out", "README.md", cwd=repo)

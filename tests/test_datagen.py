@@ -559,6 +559,7 @@ def test_a_server_without_token_ids_still_works_and_the_fallback_is_warned(tmp_p
     assert not any("tokenizer" in w for w in warnings)  # nothing to measure: never loaded
 
 
+@pytest.mark.slow
 def test_reference_engine_on_tiny_target(tmp_path, tiny_target):
     """The real thing: with no server URL the stage starts our reference server on the tiny target
     itself (through the server session: gated, torn down), regenerating a multi-turn conversation."""

@@ -87,6 +87,7 @@ def _weights(path):
     return (path / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_training_is_deterministic_and_learns(tmp_path, tiny_conversations):
     # Same config -> same bytes, whatever torch's thread setting was before the build: the
     # configured thread count (2 here) is what trains, and the caller's setting is restored.
@@ -254,6 +255,7 @@ print(json.dumps({"sha256": hashlib.sha256(open(sys.argv[1] + "/model.safetensor
 """
 
 
+@pytest.mark.slow
 def test_same_weights_in_separate_processes(tmp_path):
     # Two processes at once (each loads the other's core), other hash seeds, other heap layouts,
     # the data read from the package as `drafter demo-target` reads it: the same bytes.

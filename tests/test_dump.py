@@ -290,6 +290,7 @@ def run_child(tmp_path, cfg, root: Path, log: Path, slow_s: float) -> subprocess
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_redoes_only_unfinished_shards(tmp_path, tiny_target, convs):
     cfg = make_cfg(tiny_target, samples_per_shard=2)  # 12 samples -> 6 shards
     names = [shard_name(i) for i in range(6)]

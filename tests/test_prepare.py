@@ -175,6 +175,7 @@ def test_hf_disk_source_through_the_stage(tmp_path):
         f"h{i}" for i in range(6)]
 
 
+@pytest.mark.slow
 def test_real_sharegpt_corpus_once(tmp_path):
     """The whole packaged file (125 MB, truncated tail): read once, counted, committed, skipped."""
     store = FileStore(tmp_path / "store")

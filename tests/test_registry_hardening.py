@@ -80,6 +80,7 @@ def atomic_moto_puts(monkeypatch):
     monkeypatch.setattr(S3Response, "put_object", locked)
 
 
+@pytest.mark.slow
 def test_concurrent_promotions_all_land(any_storage_config, tmp_path, request):
     if any_storage_config.root.startswith("s3://"):
         request.getfixturevalue("atomic_moto_puts")

@@ -194,6 +194,7 @@ def test_a_refusing_gate_ends_the_run_failed_with_its_reason(tmp_path, tiny_targ
         assert [r["state"] for r in rows] == ["skipped (output already complete)", "done", "done"]
 
 
+@pytest.mark.slow
 def test_cli_runs_a_stage_from_the_table_and_names_a_missing_upstream(tmp_path, tiny_target):
     """`drafter <stage>` resolves the upstream from the table; an expected failure is its message
     and exit code 1, not a traceback."""

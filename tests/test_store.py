@@ -295,6 +295,7 @@ def test_s3_stream_cut_mid_body_resumes_where_it_stopped(s3_fault_proxy, s3_stor
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_s3_frozen_endpoint_fails_at_the_deadline_with_one_line_per_retry(s3_fault_proxy, s3_storage_config, caplog):
     """An endpoint that accepts and never answers: before, ~50 minutes of silence per operation
     (120 s read timeout x 5 x 5); now the operation's deadline, and every retry is a log line."""

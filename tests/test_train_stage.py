@@ -60,6 +60,7 @@ def test_missing_dump_is_named(env):
         TABLE.run("train", make_cfg(target, f"file://{tmp}/store", max_steps=2), store, upstream={"dump": "nope0000"})
 
 
+@pytest.mark.slow
 def test_two_processes_under_torchrun_launched_by_the_stage(env):
     target, store, dump_fp, tmp = env
     cfg = make_cfg(target, f"file://{tmp}/store", max_steps=4, nproc_per_node=2, parallel="ddp")

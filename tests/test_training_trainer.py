@@ -136,6 +136,7 @@ def _wait_for_checkpoint(store, run: str, proc: subprocess.Popen, timeout: float
     raise AssertionError("no checkpoint in time")
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path):
     """SIGKILL after a checkpoint, resume: the same final weights, optimizer-driven masters and
     metrics as an uninterrupted run (CPU float32, same thread count: bit for bit; tolerance 0)."""
