@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.bench_datagen [--conversations 2000] [--latency-ms 100] [--reference]
 
-Against the loopback fake of tests/test_datagen.py, which answers every request after a fixed
+Against the loopback fake of tests/fixtures/datagen_fakes.py, which answers every request after a fixed
 latency and batches without limit: the ideal rate is servers x concurrency / latency, so the
 efficiency column is what our client, slot pool and in-order shard writer leave of it. At zero
 latency the figure is the per-request ceiling of client + fake server (both Python, same cores).
@@ -58,7 +58,7 @@ def _run(cfg: LifecycleConfig, urls: list[str]) -> tuple[float, dict]:
 # fake's threads competing with the client, not the client.
 FAKE_HOST = """
 import sys
-from tests.test_datagen import FakeOpenAI
+from tests.fixtures.datagen_fakes import FakeOpenAI
 fake = FakeOpenAI(delay_s=float(sys.argv[1]))
 print(fake.url, flush=True)
 sys.stdin.read()  # serve until the parent closes our stdin

@@ -6,7 +6,7 @@ Engine level (no HTTP), greedy, ignore_eos, one request at a time. Two targets, 
 in seconds with the test helpers:
 - `tiny`: the demo recipe's tiny trained Llama (tests/fixtures/targets.py) with a RANDOM drafter:
   accept length ~1, so this is the cost of speculation that never pays off;
-- `successor`: the crafted target of tests/test_speculative.py with its crafted drafter: on x+1
+- `successor`: the crafted target of tests/fixtures/speculative.py with its crafted drafter: on x+1
   runs its first draft is always right (accept length 2), once the run reaches the fixed point
   200 every draft is (accept length S+1): the upper side, where only the engine's own overhead
   limits the speed-up.
@@ -33,7 +33,7 @@ def build_models(work: Path) -> dict[str, tuple[Path, Path]]:
     from drafter.prepare.sources import load_sharegpt
     from drafter.demo_target import build_demo_target
     from tests.fixtures.targets import TINY_CONVERSATIONS, tiny_target_config
-    from tests.test_speculative import build_successor_drafter, build_successor_target
+    from tests.fixtures.speculative import build_successor_drafter, build_successor_target
 
     tiny = work / "tiny"
     if not (tiny / "model.safetensors").exists():

@@ -233,7 +233,7 @@ def trainer_graphs_check() -> dict:
 
     from drafter.store import FileStore
     from drafter.training.trainer import train_drafter
-    from tests.test_training_support import TARGET_FP, make_cfg, make_dump, make_target
+    from tests.fixtures.training_data import TARGET_FP, make_cfg, make_dump, make_target
 
     out = {}
     with tempfile.TemporaryDirectory() as d:

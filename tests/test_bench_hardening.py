@@ -19,9 +19,9 @@ from drafter.errors import exit_code
 from drafter.stage_output import StageOutput, to_jsonl
 from drafter.stages import bench
 from drafter.store import FileStore
-from tests.test_bench_sweep import (FAST, PREPARE_FP, S314, UPSTREAM, _no_servers_left, fake_config, free_ports,
-                                    make_store)
-from tests.test_speculative import successor_pair  # noqa: F401  (fixture)
+from tests.fixtures.bench import (FAST, PREPARE_FP, S314, UPSTREAM, fake_config, free_ports, make_store,
+                                  no_servers_left)
+from tests.fixtures.speculative import successor_pair  # noqa: F401  (fixture)
 
 FAKE_FAST = ["--token-delay-s", "0.002"]
 ONE_ROUND = {"repeats": 1, "batch_sizes": [1], "num_prompts": 2}
@@ -64,7 +64,7 @@ def test_baseline_port_taken_is_retryable_and_the_next_run_retries_it(tmp_path):
     assert "failed/baseline.json" not in shards(store, result.fingerprint)
     report = json.loads(StageOutput.committed(store, "bench", result.fingerprint).read_shard("report.json"))
     assert "baseline (no speculation) failed in an earlier run (port_taken): re-checked" in " ".join(report["notes"])
-    _no_servers_left(tmp_path / "logs")
+    no_servers_left(tmp_path / "logs")
 
 
 def test_a_speculative_server_whose_port_is_taken_holds_the_report_back(tmp_path):
@@ -82,7 +82,7 @@ def test_a_speculative_server_whose_port_is_taken_holds_the_report_back(tmp_path
     result = TABLE.run("bench", cfg, store, upstream=UPSTREAM, session_options=FAST)
     assert result.status == "done" and result.meta["failed"] == {}
     assert result.meta["launches"] == 2  # the baseline was measured once, in the first run
-    _no_servers_left(tmp_path / "logs")
+    no_servers_left(tmp_path / "logs")
 
 
 # ----------------------------------------------------------------------------- reference engine
@@ -138,7 +138,7 @@ def test_a_refused_request_keeps_its_evidence_says_what_to_change_and_is_recheck
     notes = " ".join(report["notes"])
     assert "1 of the first 3 dropped: prompt tokens + bench.max_tokens 16 > the target's context 512" in notes
     assert "failed in an earlier run (request_refused): re-checked" in notes
-    _no_servers_left(tmp_path / "logs")
+    no_servers_left(tmp_path / "logs")
 
 
 # ----------------------------------------------------------------------------- 2. preflight

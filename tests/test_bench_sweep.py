@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,79 +17,13 @@ from drafter.stages import TABLE
 from drafter.store import ObjectNotFound
 
 from drafter.config import parse_config
-from drafter.stage_output import StageOutput, to_jsonl
+from drafter.stage_output import StageOutput
 from drafter.stages import bench
-from drafter.store import FileStore
-from tests.test_speculative import successor_pair  # noqa: F401  (fixture)
+from tests.fixtures.bench import (FAKE, FAST, PREPARE_FP, S213, S314, S516, UPSTREAM, fake_config, free_ports,
+                                  make_store, no_servers_left)
+from tests.fixtures.speculative import successor_pair  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
-FAKE = ROOT / "tests" / "fixtures" / "fake_server.py"
-PREPARE_FP = "0123456789abcdef"
-FAST = {"poll_s": 0.05, "grace_s": 3.0}
-S314 = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
-S213 = {"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3}
-S516 = {"num_steps": 5, "eagle_topk": 1, "num_draft_tokens": 6}
-
-
-def free_ports(n: int) -> int:
-    """A base port with base .. base+n-1 all free (concurrent servers use consecutive ports)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
-
-
-def make_store(tmp_path: Path, n_eval: int = 6) -> FileStore:
-    store = FileStore(tmp_path / "store")
-    out = StageOutput(store, "prepare", PREPARE_FP)
-    rows = [{"id": f"e{i}", "messages": [{"role": "user", "content": f"Question {i}: tell me about {i}"},
-                                         {"role": "assistant", "content": "an answer"}]} for i in range(n_eval)]
-    out.write_shard("train.jsonl", to_jsonl([]))
-    out.write_shard("eval.jsonl", to_jsonl(rows))
-    out.write_shard("quarantine.jsonl", to_jsonl([]))
-    out.commit()
-    return store
-
-
-def make_drafter(tmp_path: Path) -> Path:
-    d = tmp_path / "drafter"
-    d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
-    (d / "model.safetensors").write_bytes(b"fake weights")
-    return d
-
-
-def fake_config(tmp_path: Path, speculative, *, fake_args=(), bench_extra=None, n_servers=4):
-    port = free_ports(n_servers)
-    bench_cfg = {"speculative": speculative, "batch_sizes": [1, 2], "num_prompts": 4, "max_tokens": 16,
-                 "repeats": 3, "warmup_requests": 1, **(bench_extra or {})}
-    return parse_config({
-        "target": {"path": str(tmp_path / "target"), "name": "fake-model", "num_hidden_layers": 32,
-                   "vocab_size": 64000},
-        "serve": {"engine": "command", "port": port, "log_dir": str(tmp_path / "logs"),
-                  "draft_path": str(make_drafter(tmp_path)),
-                  "command": [sys.executable, str(FAKE), "--port", "{port}", "--served-model-name",
-                              "{served_model_name}", "--step-s", "0.005", "--decode", *fake_args],
-                  "health_url": f"http://127.0.0.1:{port}/health",
-                  "stall_timeout_s": 10.0, "startup_timeout_s": 30.0},
-        "bench": bench_cfg,
-        "storage": {"root": f"file://{tmp_path / 'store'}"}})
-
-
-UPSTREAM = {"prepare": PREPARE_FP, "export": None}
 
 
 def _markers(store_root: Path, fp: str) -> dict[str, str]:
@@ -100,10 +33,6 @@ def _markers(store_root: Path, fp: str) -> dict[str, str]:
         info = json.loads(p.read_text())
         out[info["name"]] = info["sha256"]
     return out
-
-
-def _no_servers_left(log_dir: Path) -> None:
-    assert not list(log_dir.glob("*.pid.json")), "a server was left running"
 
 
 # ----------------------------------------------------------------------------- fake servers
@@ -164,7 +93,7 @@ def test_sweep_records_a_failed_config_and_keeps_the_others(tmp_path):
     ms = sorted((json.loads(out.read_shard(n)) for n in names if n.startswith("m/")), key=lambda m: m["started_at"])
     assert [m["round"] for m in ms] == sorted(m["round"] for m in ms)
     assert [m["key"] for m in ms if m["round"] == 1][0] == "eagle3-s3-k1-d4"  # rotated start
-    _no_servers_left(tmp_path / "logs")
+    no_servers_left(tmp_path / "logs")
     # a second run finds the output complete and launches nothing
     logs = len(list((tmp_path / "logs").glob("*.log")))
     assert logs == 4  # three servers and the failed start
@@ -201,7 +130,7 @@ sys.path.insert(0, {root!r})
 from drafter.config import parse_config
 from drafter.stages import TABLE
 from drafter.store import FileStore
-from tests.test_speculative import successor_pair  # noqa: F401  (fixture)
+from tests.fixtures.speculative import successor_pair  # noqa: F401  (fixture)
 cfg = parse_config(json.load(open({cfg!r})))
 TABLE.run("bench", cfg, FileStore({store!r}), upstream={upstream!r}, session_options={fast!r})
 """
@@ -248,7 +177,7 @@ def test_killed_sweep_resumes_without_repeating_finished_measurements(tmp_path):
     report = json.loads(StageOutput.committed(store, "bench", fp).read_shard("report.json"))
     # six launches in all: three before the kill, three for what was left
     assert len(report["launches"]) == 6 and sorted({l["launch"] for l in report["launches"]}) == [0, 1]
-    _no_servers_left(tmp_path / "logs")
+    no_servers_left(tmp_path / "logs")
 
 
 # ----------------------------------------------------------------------------- reference engine
@@ -286,7 +215,7 @@ def test_reference_engine_sweep_with_the_crafted_drafter(tmp_path, successor_pai
               for n in (x.name for x in StageOutput.committed(store, "bench", result.fingerprint).manifest.shards)
               if n.startswith("m/")):
         assert m["completion_tokens"] == 2 * 24 and m["flush_cache"] == "ok"
-    _no_servers_left(tmp_path / "logs")
+    no_servers_left(tmp_path / "logs")
 
 
 def test_streaming_client_measures_ttft_and_inter_token_latency(tmp_path):
@@ -311,7 +240,7 @@ def test_streaming_client_measures_ttft_and_inter_token_latency(tmp_path):
                 assert m["accept_length"] == pytest.approx(2.0) and m["verify_ct"] == 18
             else:
                 assert m["accept_length"] is None  # OpenAI answers carry no speculative counters
-    _no_servers_left(tmp_path / "logs")
+    no_servers_left(tmp_path / "logs")
 
 
 def test_drafter_from_the_export_output_and_what_the_fingerprint_covers(tmp_path):

@@ -8,7 +8,7 @@ from drafter.capture import fp8
 from drafter.formats import iter_dump_samples
 from drafter.capture.shards import HiddenStateShard, bytes_per_token
 from drafter.stage_output import StageOutput
-from tests.test_dump import AUX, convs, make_cfg, put_prepared, run_dump  # noqa: F401 (fixture)
+from tests.fixtures.dump_stage import AUX, convs, make_cfg, put_prepared, run_dump  # noqa: F401 (fixture)
 
 
 def _bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ def test_training_reader_streams_verifies_and_reports_data_wait(any_store, tmp_p
 
     from drafter.store import CorruptObject, S3Store
     from drafter.training import data
-    from tests.test_training_support import H, make_dump
+    from tests.fixtures.training_data import H, make_dump
 
     fp = make_dump(any_store, tmp_path, shards=3, per_shard=8)
     monkeypatch.setattr(any_store, "read_range_bytes", 4096)
@@ -152,7 +152,7 @@ def test_tokenizer_processes_give_the_same_shards(tmp_path, tiny_target, convs):
     """dump.tokenize_processes moves tokenising into processes (a shard each, in order) and
     dump.spool_dir spools shards to disk instead of memory: the shards are byte-identical."""
     from drafter.store import FileStore
-    from tests.test_dump import shard_bytes
+    from tests.fixtures.dump_stage import shard_bytes
 
     got = {}
     for n in (0, 1):

@@ -3,194 +3,26 @@
 store backends."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
-from drafter.config import (ConfigError, DataConfig, DatagenConfig, DataSource, LifecycleConfig,
-                            ServeConfig, StorageConfig, TargetConfig, parse_config)
+from drafter.config import ConfigError, LifecycleConfig, ServeConfig, StorageConfig, TargetConfig, parse_config
 from drafter.formats import iter_generations
 from drafter.serving.client import DatagenServerDown
 from drafter.stages import TABLE, datagen, prepare
 from drafter.store import open_store
+from tests.fixtures.datagen_fakes import (datagen_output, fakes, last_user, make_cfg, prepared,  # noqa: F401 (fixture)
+                                          run_datagen, sharegpt)
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-# ------------------------------------------------------------------------------- the fake server
-
-
-def last_user(body: dict) -> str:
-    return [m["content"] for m in body["messages"] if m["role"] == "user"][-1]
-
-
-def fake_answer(body: dict) -> str:
-    """Deterministic and server-independent: which turn, and what it answers."""
-    turn = sum(m["role"] == "user" for m in body["messages"])
-    return f"[{turn}] re: {last_user(body)}"
-
-
-class FakeOpenAI:
-    """POST /v1/chat/completions on 127.0.0.1. Programmable:
-    - `fail(body, attempt) -> status | None`: answer that status instead (attempt counts from 1 per prompt)
-    - `die_after = k`: from request k+1 on the server is gone (connections dropped, port closed)
-    - `hold_after = k`: requests after the k-th wait until `release()`
-    - `delay_s`: every answer takes this long (to have requests in flight together)
-    - `token_ids(content) -> ids | None`: the ids answered in `ids_field` (vLLM's `token_ids`, or
-      SGLang's `response_token_ids`) when the request asks `return_token_ids` (default: none, like
-      a generic OpenAI server)."""
-
-    def __init__(self, delay_s: float = 0.0):
-        self.delay_s = delay_s
-        self.fail: Callable[[dict, int], int | None] = lambda body, attempt: None
-        self.token_ids: Callable[[str], list[int] | None] = lambda content: None
-        self.ids_field = "token_ids"
-        self.die_after: int | None = None
-        self.hold_after: int | None = None
-        self.received: list[dict] = []
-        self.in_flight = self.max_in_flight = 0
-        self.dead = False
-        self._attempts: Counter = Counter()
-        self._released = threading.Event()
-        self._lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        self.httpd.daemon_threads = True
-        self.httpd.fake = self
-        self.httpd.handle_error = lambda request, address: None  # a client killed mid-answer is expected
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-
-    @property
-    def prompts(self) -> list[str]:
-        return [last_user(b) for b in self.received if b.get("max_tokens") != 1]  # probes ask for 1 token
-
-    def release(self) -> None:
-        self._released.set()
-
-    def kill(self) -> None:
-        self.dead = True
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def close(self) -> None:
-        self.release()
-        if not self.dead:
-            self.kill()
-
-    def handle(self, body: dict) -> tuple[int | None, dict, dict]:
-        with self._lock:
-            if self.dead:
-                return None, {}, {}
-            n = len(self.received)
-            self.received.append(body)
-            self._attempts[json.dumps(body["messages"])] += 1
-            attempt = self._attempts[json.dumps(body["messages"])]
-            if self.die_after is not None and n >= self.die_after:
-                self.dead = True
-                threading.Thread(target=self.kill, daemon=True).start()
-                return None, {}, {}
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            if self.hold_after is not None and n >= self.hold_after:
-                self._released.wait()
-            time.sleep(self.delay_s)
-            status = self.fail(body, attempt)
-            if status is not None:
-                return status, {"error": {"message": f"programmed {status}"}}, (
-                    {"Retry-After": "0"} if status == 429 else {})
-            content = fake_answer(body)
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
-            if body.get("return_token_ids") and (ids := self.token_ids(content)) is not None:
-                choice[self.ids_field] = ids
-            return 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [choice],
-                "usage": {"prompt_tokens": len(body["messages"]), "completion_tokens": len(content.split()),
-                          "total_tokens": 0}}, {}
-        finally:
-            with self._lock:
-                self.in_flight -= 1
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK stall
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-        status, payload, headers = self.server.fake.handle(body)
-        if status is None:  # gone: close without an answer, like a crashed server
-            self.close_connection = True
-            return
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        for key, value in {**headers, "Content-Type": "application/json",
-                           "Content-Length": str(len(data))}.items():
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(data)
-
-
-@pytest.fixture
-def fakes():
-    made: list[FakeOpenAI] = []
-
-    def make(**kw) -> FakeOpenAI:
-        made.append(FakeOpenAI(**kw))
-        return made[-1]
-    yield make
-    for fake in made:
-        fake.close()
-
-
-# --------------------------------------------------------------------------------------- helpers
-
-
-def sharegpt(i: int, turns: int = 1, system: bool = False) -> dict:
-    conv = [{"from": "system", "value": "be brief"}] if system else []
-    for t in range(turns):
-        conv += [{"from": "human", "value": f"question {i}.{t}"}, {"from": "gpt", "value": f"OLD answer {i}.{t}"}]
-    return {"id": f"c{i:03d}", "conversations": conv}
-
-
-def make_cfg(tmp_path: Path, storage: StorageConfig, rows: list[dict], **datagen) -> LifecycleConfig:
-    src = tmp_path / "prompts.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    settings = dict(max_tokens=16, concurrency_per_server=2, request_timeout_s=10, max_retries=2,
-                    shard_size=2, max_consecutive_failures=4, backoff_base_s=0.005, backoff_max_s=0.02)
-    settings.update(datagen)
-    return LifecycleConfig(target=TargetConfig(path="/nonexistent/target", name="fake-model"),
-                           data=DataConfig(sources=[DataSource(kind="jsonl", path=str(src))], eval_fraction=0),
-                           datagen=DatagenConfig(**settings), storage=storage)
-
-
-def prepared(cfg: LifecycleConfig, store) -> str:
-    return TABLE.run("prepare", cfg, store).manifest.fingerprint
-
-
-def with_datagen(cfg: LifecycleConfig, **update) -> LifecycleConfig:
-    return cfg.model_copy(update={"datagen": cfg.datagen.model_copy(update=update)})
-
-
-def run_datagen(cfg: LifecycleConfig, store, fp: str, urls: list[str], progress=None):
-    """The datagen stage on prepared output `fp` through `urls` (none: it starts serve.engine)."""
-    return TABLE.run("datagen", with_datagen(cfg, server_urls=list(urls)), store, upstream={"prepare": fp}, progress=progress)
-
-
-def datagen_output(cfg: LifecycleConfig, store, fp: str):
-    return TABLE.output("datagen", cfg, store, {"prepare": fp})
 
 
 def datagen_fingerprint(cfg: LifecycleConfig, fp: str) -> str:

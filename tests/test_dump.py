@@ -2,7 +2,6 @@
 several workers, the training-side reader, both store backends."""
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -15,10 +14,9 @@ import pytest
 import torch
 import yaml
 
-from drafter.stages import TABLE
 from drafter.capture import backends, base
 from drafter.capture import hf as hf_capture
-from drafter.config import LAYER_ID_CONVENTION, ConfigError, parse_config
+from drafter.config import LAYER_ID_CONVENTION, ConfigError
 from drafter.formats import DumpMismatch, iter_dump_samples, read_conversations
 from drafter.formats import hidden_state_shard_name as shard_name
 from drafter.stage_output import to_jsonl
@@ -29,25 +27,10 @@ from drafter.capture.shards import (FINAL_HIDDEN, HiddenStateShard, bytes_per_to
 from drafter.stage_output import StageOutput
 from drafter.store import CorruptObject, FileStore
 from drafter.tokenize import tokenize_conversation
+from tests.fixtures.dump_stage import (AUX, BUDGET, MAXLEN, convs, make_cfg, put_prepared, run_dump,  # noqa: F401
+                                       shard_bytes)  # (convs: a fixture)
 
-AUX = [0, 1, 2]  # the tiny target has 4 layers; 3 (the last) is the final hidden state
-MAXLEN, BUDGET = 160, 400  # samples of 75..160 tokens: batches of 1-2 samples, with padding
 REPO = Path(__file__).resolve().parents[1]
-
-
-def make_cfg(target, root: str = "file:///unused", **dump_overrides):
-    dump_section = dict(aux_layer_ids=AUX, max_length=MAXLEN, tokens_per_batch=BUDGET, samples_per_shard=4,
-                        devices=["cpu"], upstream="prepare")
-    dump_section.update(dump_overrides)
-    return parse_config({"target": {"path": str(target)}, "dump": dump_section,
-                         "train": {"draft_vocab_size": 256}, "storage": {"root": root}})
-
-
-def run_dump(cfg, store, upstream_stage: str, fp: str, devices: list[str] | None = None):
-    """The dump stage's entry point on `upstream_stage`'s output `fp` (on `devices` if given)."""
-    update = {"upstream": upstream_stage, **({"devices": devices} if devices else {})}
-    cfg = cfg.model_copy(update={"dump": cfg.dump.model_copy(update=update)})
-    return TABLE.run("dump", cfg, store, upstream={upstream_stage: fp})
 
 
 def plan(cfg, upstream_stage: str, fp: str):
@@ -56,35 +39,11 @@ def plan(cfg, upstream_stage: str, fp: str):
 
 
 @pytest.fixture(scope="module")
-def convs(tiny_conversations):
-    """Short conversations of varied lengths (some multi-turn), so batches mix lengths."""
-    out = []
-    for k, conv in enumerate(tiny_conversations[:14]):
-        cut = 40 + 23 * (k % 5)
-        out.append({"id": conv["id"],
-                    "messages": [{"role": m["role"], "content": m["content"][:cut]} for m in conv["messages"][:4]]})
-    return out
-
-
-def put_prepared(store, conversations, fp="prep0000", held_out=()) -> str:
-    out = StageOutput(store, "prepare", fp)
-    out.write_shard("train.jsonl", to_jsonl(conversations))
-    out.write_shard("eval.jsonl", to_jsonl(held_out))
-    out.commit({"train": len(conversations)})
-    return fp
-
-
-@pytest.fixture(scope="module")
 def hf(tiny_target):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(tiny_target)
-
-
-def shard_bytes(store, manifest) -> dict[str, str]:
-    out = StageOutput(store, "dump", manifest.fingerprint)
-    return {s.name: hashlib.sha256(out.read_shard(s.name)).hexdigest() for s in manifest.shards}
 
 
 # ---- exactness

@@ -1,7 +1,7 @@
 """The export stage: SGLang + vLLM (speculators) files checked by reading them back, the vLLM
 export loaded by the real `speculators` package with the same logits as our network, the offline
 judgement with the reference engine's speculative decoder, and each planted mistake refused with
-a message naming it. Built on the crafted "successor" target + drafter of test_speculative
+a message naming it. Built on the crafted "successor" target + drafter of tests/fixtures/speculative.py
 (a drafter that is accepted: 1 draft per verify on the +1 runs the chat prompts end in)."""
 from __future__ import annotations
 
@@ -22,17 +22,14 @@ from drafter.export.sglang import (
 from drafter.export.vllm import check_vllm_export, write_vllm
 from drafter.layers import LAYER_ID_CONVENTION
 from drafter.model import EXPECTED_KEYS, load_drafter
-from drafter.stage_output import StageOutput, to_jsonl
+from drafter.stage_output import StageOutput
 from drafter.stages import export
 from drafter.store import FileStore
 from drafter.target import HFTarget
 from drafter.target_identity import target_fingerprint
-from tests.test_speculative import EOS, build_random_target, successor_pair  # noqa: F401  (fixture)
+from tests.fixtures.export_upstreams import ACC, AUX, RATE, commit_upstreams
+from tests.fixtures.speculative import EOS, build_random_target, successor_pair  # noqa: F401  (fixture)
 from drafter.stages import TABLE
-
-AUX = [0, 1, 2]
-ACC = [0.95, 0.1, 0.05]  # training's per-position accuracies
-RATE = [0.95, 0.095, 0.00475]  # accepted at position k: what "training" predicted, 1 + sum = 2.04975 at 3 steps
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -49,31 +46,6 @@ def eval_conversations(tiny_conversations) -> list[dict]:
     return tiny_conversations[200:]
 
 
-def _commit_upstreams(store: FileStore, root: Path, target: Path, draft: Path, conversations: list[dict], *,
-                      target_fp: str | None = None, suffix: str = "", aux: list[int] = AUX) -> dict[str, str]:
-    """Committed prepare (eval split), dump (manifest only: the export reads its meta) and train outputs."""
-    prep, dump, train = f"prep{suffix}0001", f"dump{suffix}0001", f"train{suffix}001"
-    out = StageOutput(store, "prepare", prep)
-    out.write_shard("train.jsonl", to_jsonl(conversations[:2]))
-    out.write_shard("eval.jsonl", to_jsonl(conversations))
-    out.commit({})
-    out = StageOutput(store, "dump", dump)
-    out.write_shard("hs-00000.safetensors", b"placeholder")
-    out.commit({"upstream": {"stage": "prepare", "fingerprint": prep}, "aux_layer_ids": aux,
-                "layer_id_convention": LAYER_ID_CONVENTION,
-                "target_fingerprint": target_fp or target_fingerprint(target)})
-    out = StageOutput(store, "train", train)
-    for name in ("config.json", "model.safetensors"):
-        out.write_shard(f"drafter/{name}", draft / name)
-    row = {"split": "eval", "step": 10, "loss": [1.0, 2.0, 3.0], "acc": ACC, "accept_rate": RATE, "cond_acc": ACC,
-           "accept_length": 1 + sum(RATE)}
-    out.write_shard("metrics.jsonl", to_jsonl([row]))
-    out.write_shard("curves.png", b"png")
-    out.commit({"steps": 10, "vocab_source": "counted over the training dump", "aux_layer_ids": aux,
-                "layer_id_convention": LAYER_ID_CONVENTION, "train_dump": dump, "eval_dump": dump,
-                "dump_fingerprint": dump, "final_eval": row, "final_train": {**row, "split": "train"}})
-    return {"train": train, "prepare": prep}
-
 
 def _cfg(target: Path, root: Path, **export_section):
     section = dict(eval_prompts=4, judge_max_new_tokens=40, judge_num_steps=3, device="cpu",
@@ -88,7 +60,7 @@ def _cfg(target: Path, root: Path, **export_section):
 def stage_env(pair, eval_conversations, tmp_path):
     target, draft = pair
     store = FileStore(tmp_path / "store")
-    upstream = _commit_upstreams(store, tmp_path, target, draft, eval_conversations)
+    upstream = commit_upstreams(store, tmp_path, target, draft, eval_conversations)
     return target, draft, store, upstream, tmp_path
 
 
@@ -324,7 +296,7 @@ def test_planted_drafter_trained_for_another_target(pair, eval_conversations, tm
     drafter on another target's features is refused by its accept length."""
     target, draft = pair
     store = FileStore(tmp_path / "store")
-    upstream = _commit_upstreams(store, tmp_path, target, draft, eval_conversations, target_fp="feedfacefeedface")
+    upstream = commit_upstreams(store, tmp_path, target, draft, eval_conversations, target_fp="feedfacefeedface")
     with pytest.raises(ExportError, match="trained for another target.*feedfacefeedface") as err:
         TABLE.run("export", _cfg(target, tmp_path), store, upstream=upstream)
     assert not err.value.retryable
@@ -340,7 +312,7 @@ def test_stage_refuses_a_trained_drafter_with_shifted_ids(pair, eval_conversatio
     shutil.copytree(draft, bad)
     _edit_config(bad, lambda d: d["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]))
     store = FileStore(tmp_path / "store")
-    upstream = _commit_upstreams(store, tmp_path, target, bad, eval_conversations)
+    upstream = commit_upstreams(store, tmp_path, target, bad, eval_conversations)
     with pytest.raises(ExportCheckFailed, match=r"aux layer ids \[1, 2, 3\], the configuration \[0, 1, 2\]"):
         TABLE.run("export", _cfg(target, tmp_path), store, upstream=upstream)
 

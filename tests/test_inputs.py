@@ -4,36 +4,17 @@ output as a named error. In-process CLI calls (`drafter.cli.main`) and the datag
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-import yaml
 
 from drafter.stages import TABLE
-from drafter import cli
 from drafter.config import ConfigError, StorageConfig, load_config, parse_config
 from drafter.stage_output import EmptyOutput
 from drafter.stages import prepare
 from drafter.store import open_store
-from tests.test_datagen import (datagen_output, fakes, last_user, make_cfg, prepared,  # noqa: F401 (fixture)
-                                run_datagen, sharegpt)
-
-
-def drafter(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
-    """`drafter ARGV...` through the console entry point: (exit code, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["drafter", *argv])
-    with pytest.raises(SystemExit) as done:
-        cli.main()
-    return done.value.code, capsys.readouterr().err
-
-
-def profile(tmp_path, **sections) -> str:
-    data = {"target": {"path": str(tmp_path), "num_hidden_layers": 8, "vocab_size": 1000},
-            "storage": {"root": f"file://{tmp_path}/store"}, "serve": {"log_dir": str(tmp_path / "logs")}}
-    data.update(sections)
-    path = tmp_path / "profile.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
+from tests.fixtures.datagen_fakes import (datagen_output, fakes, last_user, make_cfg, prepared,  # noqa: F401 (fixture)
+                                          run_datagen, sharegpt)
+from tests.fixtures.cli import drafter, profile
 
 
 def test_expected_errors_are_one_line_with_their_exit_code(tmp_path, monkeypatch, capsys):

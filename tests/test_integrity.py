@@ -14,7 +14,7 @@ from drafter.stage_output import CorruptObject, StageOutput
 from drafter.stages import prepare
 from drafter.store import open_store
 from drafter.config import load_config
-from tests.test_inputs import drafter, profile
+from tests.fixtures.cli import drafter, profile
 
 
 def _flip_a_byte(path) -> None:

@@ -21,34 +21,13 @@ import pytest
 
 from drafter.config import parse_config
 from drafter.serving.check import check_server, serve_forever
-from drafter.serving.engines import LaunchSpec, check_speculative_settings, make_engine
+from drafter.serving.engines import check_speculative_settings
 from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled
-from drafter.serving.gate import wait_until_ready
 from drafter.serving.host import parse_compute_apps, port_free
 from drafter.serving.launcher import ServerProcess, launch, preflight
 from drafter.serving.ownership import group_members, pid_file
 from tests.fixtures.net import free_port
-
-FAKE = Path(__file__).parent / "fixtures" / "fake_server.py"
-ROOT = Path(__file__).resolve().parents[1]
-NCCL = {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring", "NCCL_P2P_LEVEL": "SYS", "NCCL_MAX_NCHANNELS": "16",
-        "NCCL_BUFFSIZE": "16777216", "NCCL_NTHREADS": "512"}
-SGLANG = make_engine("sglang")
-
-
-def fake_spec(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> LaunchSpec:
-    port = free_port()
-    env = dict(env or {})
-    argv = [sys.executable, str(FAKE), "--port", str(port), "--served-model-name", "fake-model", *args]
-    return LaunchSpec(engine="sglang", argv=argv, env={**os.environ, **env}, env_overrides=env,
-                      cwd=str(tmp_path), host="127.0.0.1", port=port, base_url=f"http://127.0.0.1:{port}",
-                      health_url=f"http://127.0.0.1:{port}/health", served_model_name="fake-model",
-                      generate_style="sglang", log_dir=str(tmp_path))
-
-
-def gate(server, spec, startup=20.0, stall=5.0, **kw):
-    return wait_until_ready(server, SGLANG, spec, startup_timeout_s=startup, stall_timeout_s=stall,
-                            poll_s=0.1, **kw)
+from tests.fixtures.servers import NCCL, ROOT, SGLANG, command_config, fake_spec, gate
 
 
 def assert_all_gone(server: ServerProcess) -> None:
@@ -378,17 +357,6 @@ def test_teardown_reports_gpu_memory_that_is_not_released(tmp_path, fake_nvidia_
 # ---------------------------------------------------------------------------------------------
 # check_server end to end (command engine running the fake server)
 # ---------------------------------------------------------------------------------------------
-
-def command_config(tmp_path, *fake_args, stall=2.0, startup=20.0):
-    port = free_port()
-    return parse_config({
-        "target": {"path": str(tmp_path), "name": "fake-model", "num_hidden_layers": 32, "vocab_size": 64000},
-        "serve": {"engine": "command", "port": port, "log_dir": str(tmp_path / "logs"),
-                  "command": [sys.executable, str(FAKE), "--port", "{port}", "--served-model-name",
-                              "{served_model_name}", *fake_args],
-                  "health_url": f"http://127.0.0.1:{port}/health", "env": NCCL,
-                  "stall_timeout_s": stall, "startup_timeout_s": startup}})
-
 
 def test_check_server_ready(tmp_path):
     result = check_server(command_config(tmp_path), poll_s=0.1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_speculative import build_random_target, build_successor_drafter, build_successor_target
+from tests.fixtures.speculative import build_random_target, build_successor_drafter, build_successor_target
 from tests.fixtures.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from drafter.errors import exit_code
 from drafter.retrain.registry import Registry, RegistryError, list_registries
 from drafter.stage_output import StageOutput
 from drafter.store import FileStore, open_store
-from tests.test_inputs import drafter, profile
+from tests.fixtures.cli import drafter, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 

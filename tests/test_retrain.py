@@ -15,7 +15,7 @@ from drafter.retrain.verdict import compare
 from drafter.stage_output import StageOutput, to_jsonl
 from drafter.stages import TABLE, datagen, dump, prepare
 from drafter.store import CorruptObject, FileStore, open_store
-from tests.test_datagen import FakeOpenAI, fakes, sharegpt, with_datagen  # noqa: F401 (fixture)
+from tests.fixtures.datagen_fakes import FakeOpenAI, fakes, sharegpt, with_datagen  # noqa: F401 (fixture)
 
 
 def write_file(folder: Path, name: str, rows: list[dict]) -> None:

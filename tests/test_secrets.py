@@ -12,7 +12,7 @@ import pytest
 from drafter.config import ConfigError, parse_config
 from drafter.secrets import MASK, Redactor, SecretError, mask_argv, mask_env, secret_values
 from drafter.serving.check import check_server
-from tests.test_launcher import FAKE
+from tests.fixtures.servers import FAKE
 from tests.fixtures.net import free_port
 
 PLANTED = "planted-Secret-9f3c1e77"

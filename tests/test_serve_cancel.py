@@ -12,9 +12,7 @@ from types import SimpleNamespace
 from drafter.serving.ownership import group_members
 from tasks.common import reap_left_servers
 from tests.fixtures.net import free_port
-
-FAKE = Path(__file__).parent / "fixtures" / "fake_server.py"
-ROOT = Path(__file__).resolve().parents[1]
+from tests.fixtures.servers import FAKE, ROOT, wait_for_pid_file, wait_gone
 
 
 def hanging_server_config(tmp_path) -> dict:
@@ -39,19 +37,6 @@ def start_checker(tmp_path, run_id: str = "run-A") -> subprocess.Popen:
                             cwd=ROOT)
 
 
-def wait_for_pid_file(tmp_path, timeout=30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        files = list((tmp_path / "logs").glob("*.pid.json"))
-        if files:
-            try:
-                return {"path": files[0], **json.loads(files[0].read_text())}
-            except ValueError:
-                pass  # being written
-        time.sleep(0.1)
-    raise AssertionError("the server never started")
-
-
 def wait_for_hang(info, timeout=30.0) -> None:
     """Until the server sits silent in CUDA-graph capture (it no longer writes to its log pipe)."""
     deadline = time.monotonic() + timeout
@@ -62,14 +47,6 @@ def wait_for_hang(info, timeout=30.0) -> None:
         time.sleep(0.1)
     raise AssertionError("the server never reached CUDA-graph capture")
 
-
-def wait_gone(info, timeout=30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not group_members(info["pgid"], info.get("sid")):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_sigterm_to_the_run_tears_the_server_down(tmp_path):

@@ -13,8 +13,7 @@ from drafter.serving.errors import ServerConfigError, ServerStalled
 from drafter.stages import TABLE
 from tasks.stage import stage_task
 from tests.fixtures.net import free_port
-
-FAKE = Path(__file__).parent / "fixtures" / "fake_server.py"
+from tests.fixtures.servers import FAKE
 
 
 @pytest.fixture(scope="module", autouse=True)

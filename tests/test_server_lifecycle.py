@@ -19,8 +19,7 @@ from drafter.serving.check import check_server
 from drafter.serving.errors import HealthCheckTimeout, ServerConfigError
 from drafter.serving.launcher import launch, preflight
 from drafter.serving.ownership import group_members, reap
-from tests.test_launcher import ROOT, SGLANG, command_config, fake_spec, gate
-from tests.test_serve_cancel import wait_for_pid_file, wait_gone
+from tests.fixtures.servers import ROOT, SGLANG, command_config, fake_spec, gate, wait_for_pid_file, wait_gone
 
 
 def _alive(pid: int) -> bool:

@@ -136,8 +136,8 @@ def test_datagen_keeps_sglangs_own_token_ids_and_they_reach_the_dump(server, lay
     from drafter.formats import iter_dump_samples, iter_generations
     from drafter.stages import TABLE
     from drafter.store import open_store
-    from tests.test_datagen import make_cfg, prepared, run_datagen, sharegpt
-    from tests.test_speculative import EOS, succ_map
+    from tests.fixtures.datagen_fakes import make_cfg, prepared, run_datagen, sharegpt
+    from tests.fixtures.speculative import EOS, succ_map
 
     target, _ = layered_pair
     _, _, served, _ = server

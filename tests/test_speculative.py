@@ -1,130 +1,20 @@
 """EAGLE-3 speculative decoding: lossless greedy, the accept path, cache rollback, sampling."""
 from __future__ import annotations
 
-import shutil
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from drafter.model import (
-    DraftKVCache, Eagle3Drafter, draft_config_for_target, init_random_drafter, load_drafter, read_target_config,
-    save_drafter, set_draft_vocab)
+from drafter.model import DraftKVCache, init_random_drafter, load_drafter
 from drafter.target import HFTarget
 from drafter.serving.speculative import SamplingParams, SpeculativeEngine, accept_drafts
+from tests.fixtures.speculative import EOS, build_random_target, successor_pair  # noqa: F401 (fixture)
 
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
-
-
-# ----------------------------------------------------------------------------- crafted models
-# A "successor" target: every layer adds nothing (o_proj = down_proj = 0), so the residual stream
-# is the token embedding E[x], and lm_head row j holds the embeddings of the tokens whose successor
-# is j. Greedy decoding therefore walks succ(): x+1 runs, fixed points, and a run ending in EOS.
-# The matching drafter reads E[x_p] through fc and predicts succ(succ(x_p)) = the token after next,
-# which is exactly what EAGLE-3 must predict at position p. Its later steps repeat the same guess,
-# so on x+1 runs it gets 1 draft accepted per verify, and on fixed points all of them.
-EOS = 4
-FIXED_LOW, EOS_RUN_END = 200, 400
-
-
-def succ_map(vocab: int) -> list[int]:
-    out = []
-    for x in range(vocab):
-        if x < 10:
-            out.append(10 + x)
-        elif x < FIXED_LOW or FIXED_LOW < x < EOS_RUN_END:
-            out.append(x + 1)
-        elif x == EOS_RUN_END:
-            out.append(EOS)
-        else:
-            out.append(x)  # fixed points: 200 and 401..vocab-1
-    return out
-
-
-def _embeddings(vocab: int, hidden: int) -> torch.Tensor:
-    e = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0))
-    return e / e.norm(dim=1, keepdim=True) * hidden ** 0.5  # RMS 1: the final norm leaves E[x] as is
-
-
-def _rows_predicting(mapping: list[int], emb: torch.Tensor, ids) -> torch.Tensor:
-    """Row for id j = sum of E[x] over the x that `mapping` sends to j."""
-    rows = torch.zeros(len(ids), emb.shape[1])
-    index = {j: r for r, j in enumerate(ids)}
-    for x, j in enumerate(mapping):
-        if j in index:
-            rows[index[j]] += emb[x]
-    return rows
-
-
-def _target_like(tiny_target: Path, out_dir: Path, seed: int, init) -> Path:
-    """The tiny target's config and tokenizer with weights set by `init(model)`; built once."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if (out_dir / "model.safetensors").exists():
-        return out_dir
-    shutil.copytree(tiny_target, out_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig.from_pretrained(tiny_target))
-    with torch.no_grad():
-        init(model)
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
-def build_successor_target(tiny_target: Path, out_dir: Path) -> Path:
-    def init(model) -> None:
-        vocab, hidden = model.config.vocab_size, model.config.hidden_size
-        emb = _embeddings(vocab, hidden)
-        model.model.embed_tokens.weight.copy_(emb)
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.norm.weight.fill_(1.0)
-        model.lm_head.weight.copy_(_rows_predicting(succ_map(vocab), emb, range(vocab)))
-    return _target_like(tiny_target, out_dir, 0, init)
-
-
-def build_successor_drafter(target_dir: Path, out_dir: Path) -> Path:
-    """Draft vocab {EOS} + [150, 405): a non-trivial d2t; fc reads aux[0]; midlayer adds nothing."""
-    if (out_dir / "model.safetensors").exists():
-        return out_dir
-    target = read_target_config(target_dir)
-    vocab, hidden = target["vocab_size"], target["hidden_size"]
-    draft_ids = [EOS] + list(range(150, 405))
-    config = draft_config_for_target(target, aux_layer_ids=[0, 1, 2], draft_vocab_size=len(draft_ids))
-    torch.manual_seed(1)
-    model = Eagle3Drafter(config)
-    succ = succ_map(vocab)
-    emb = _embeddings(vocab, hidden)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * 0.1)
-        model.fc.weight.zero_()
-        model.fc.weight[:, :hidden] = torch.eye(hidden)
-        model.midlayer.self_attn.o_proj.weight.zero_()
-        model.midlayer.mlp.down_proj.weight.zero_()
-        model.lm_head.weight.copy_(_rows_predicting([succ[succ[x]] for x in range(vocab)], emb, draft_ids))
-        set_draft_vocab(model, torch.tensor(draft_ids))
-    return save_drafter(model, out_dir)
-
-
-def build_random_target(tiny_target: Path, out_dir: Path, seed: int = 0) -> Path:
-    """The tiny target's shapes with large random weights: varied output, no near-tied logits."""
-    def init(model) -> None:
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0, 0.15)
-    return _target_like(tiny_target, out_dir, seed, init)
-
-
-@pytest.fixture(scope="session")
-def successor_pair(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("successor")
-    target = build_successor_target(tiny_target, root / "target")
-    return target, build_successor_drafter(target, root / "draft")
 
 
 @pytest.fixture(scope="session")

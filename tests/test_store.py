@@ -403,7 +403,7 @@ def test_s3_missing_credentials_are_one_line_naming_bucket_endpoint_and_how(s3_e
 
 @pytest.mark.s3
 def test_s3_missing_credentials_through_the_cli_is_one_line(s3_endpoint, tmp_path, monkeypatch, capsys):
-    from tests.test_inputs import drafter, profile
+    from tests.fixtures.cli import drafter, profile
 
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(var)

@@ -30,7 +30,7 @@ from drafter.target_identity import target_fingerprint
 from drafter.training import checkpoint as ckpt
 from drafter.training.errors import CheckpointError
 from drafter.training.trainer import train_drafter
-from tests.test_training_support import make_cfg, make_dump, make_target
+from tests.fixtures.training_data import make_cfg, make_dump, make_target
 
 REPO = Path(__file__).resolve().parents[1]
 FOREVER = 100_000  # max_steps of a run that only a test ends

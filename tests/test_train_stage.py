@@ -10,7 +10,7 @@ from drafter.stage_output import StageOutput
 from drafter.stages import TABLE, train
 from drafter.store import FileStore
 from drafter.target_identity import target_fingerprint
-from tests.test_training_support import make_cfg, make_dump, make_target
+from tests.fixtures.training_data import make_cfg, make_dump, make_target
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from drafter.store import FileStore
 from drafter.training.distributed import torchrun_command
 from tests.fixtures.net import free_port
-from tests.test_training_support import make_dump, make_target
+from tests.fixtures.training_data import make_dump, make_target
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ def _run(tmp: Path, target: Path, name: str, nproc: int, parallel: str) -> Path:
             "out": str(tmp / name), "train": {"epochs": 2, "parallel": parallel}}
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(spec))
-    module = ["tests.test_training_support", str(path)]
+    module = ["tests.fixtures.training_data", str(path)]
     env_extra = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     if nproc == 1:
         argv, env = [sys.executable, "-m", *module], {**os.environ, **env_extra}

@@ -8,7 +8,7 @@ from drafter.training import attention as attn_mod
 from drafter.training.static_step import bucket_rows, plan_static, static_ttt_loss
 from drafter.training.teacher import TargetHead
 from drafter.training.ttt import dense_ttt_loss, fast_ttt_loss, prepare
-from tests.test_training_units import _tiny
+from tests.fixtures.ttt import tiny_ttt_case
 
 
 @pytest.mark.parametrize("attention,tokens,docs", [("math", 48, 8), ("flash", 48, 8), ("flash", 80, 16)])
@@ -17,7 +17,7 @@ def test_static_step_equals_fast_path_and_dense_reference(attention, tokens, doc
     nothing: same loss, gradients and statistics (float64; `flash` runs the merge algebra with the
     plain varlen kernel, including the empty trailing documents of the padded layout)."""
     monkeypatch.setattr(attn_mod, "FLASH_KERNELS", [attn_mod.reference_flash_fwd, attn_mod.reference_flash_bwd])
-    m, embed, head, mb = _tiny()
+    m, embed, head, mb = tiny_ttt_case()
     K, norm = 4, float(mb.num_tokens)
     th = TargetHead(head, m.t2d, "cpu", torch.float64, vocab_chunk=16)
     sb = plan_static(mb, K, 0.8, norm, tokens=tokens, row_multiple=8, embed=embed).to("cpu", torch.float64)
@@ -39,7 +39,7 @@ def test_static_step_equals_fast_path_and_dense_reference(attention, tokens, doc
 
 
 def test_static_plan_covers_every_loss_position_and_pads_without_loss():
-    m, embed, head, mb = _tiny()
+    m, embed, head, mb = tiny_ttt_case()
     K = 3
     sb = plan_static(mb, K, 0.8, 1.0, tokens=40, row_multiple=16, embed=embed)
     n, T = mb.num_tokens, sb.pos.numel()

@@ -19,7 +19,7 @@ from drafter.store import FileStore
 from drafter.training import checkpoint as ckpt
 from drafter.training.errors import DrafterIncompatible, DumpIncompatible
 from drafter.training.trainer import train_drafter
-from tests.test_training_support import AUX, TARGET_FP, make_cfg, make_dump, make_target
+from tests.fixtures.training_data import AUX, TARGET_FP, make_cfg, make_dump, make_target
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_trains_and_writes_a_loadable_drafter_with_metrics(env):
     # lower id first on ties, padded with unseen ids, sorted.
     from collections import Counter
 
-    from tests.test_training_support import make_samples
+    from tests.fixtures.training_data import make_samples
 
     c = Counter()
     for seed in (100, 101, 102):
@@ -120,7 +120,7 @@ def _spec(tmp: Path, target: Path, name: str, **extra) -> Path:
 
 def _child(spec: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "tests.test_training_support", str(spec)], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "tests.fixtures.training_data", str(spec)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

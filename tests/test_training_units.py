@@ -8,8 +8,9 @@ from drafter.model import Eagle3DraftConfig, Eagle3Drafter, check_drafter_weight
 from drafter.training import attention as attn_mod
 from drafter.training.optim import lr_factor
 from drafter.training.teacher import TargetHead, reference_teacher, soft_cross_entropy
-from drafter.training.ttt import MicroBatch, dense_ttt_loss, fast_ttt_loss, prepare
+from drafter.training.ttt import dense_ttt_loss, fast_ttt_loss, prepare
 from drafter.training.vocab import count_loss_tokens, ids_from_maps, select_draft_vocab, vocab_maps
+from tests.fixtures.ttt import tiny_ttt_case
 
 
 # ---- vocab
@@ -85,25 +86,6 @@ def test_warmup_then_cosine():
 
 # ---- the unroll
 
-def _tiny(seed=0, dtype=torch.float64):
-    torch.manual_seed(seed)
-    H, V, Vd = 32, 97, 40
-    cfg = Eagle3DraftConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                            vocab_size=V, draft_vocab_size=Vd, target_hidden_size=H, aux_layer_ids=[0, 1, 2])
-    m = Eagle3Drafter(cfg).to(dtype)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.2)
-    set_draft_vocab(m, torch.randperm(V)[:Vd].sort().values)
-    embed, head = torch.randn(V, H, dtype=dtype), torch.randn(V, H, dtype=dtype)
-    head[m.t2d] *= 1.5  # most (not all) teacher argmaxes in the draft vocab
-    lens = [7, 12, 5, 1, 9, 2]
-    T = sum(lens)
-    mb = MicroBatch(torch.randint(0, V, (T,)), torch.rand(T) < 0.7, torch.randn(T, 3, H, dtype=dtype),
-                    torch.randn(T, H, dtype=dtype), lens, [str(i) for i in range(len(lens))])
-    return m, embed, head, mb
-
-
 @pytest.mark.parametrize("attention", ["math", "flash"])
 def test_fast_path_equals_dense_reference_loss_and_gradients(attention, monkeypatch):
     """Skipping inactive positions, packing, the restricted teacher and (for `flash`) the log-sum-exp
@@ -111,7 +93,7 @@ def test_fast_path_equals_dense_reference_loss_and_gradients(attention, monkeypa
     `flash` runs the merge algebra with a plain varlen kernel, the CUDA one is checked by
     benchmarks/bench_train.py --exactness)."""
     monkeypatch.setattr(attn_mod, "FLASH_KERNELS", [attn_mod.reference_flash_fwd, attn_mod.reference_flash_bwd])
-    m, embed, head, mb = _tiny()
+    m, embed, head, mb = tiny_ttt_case()
     K = 4
     si = prepare(mb, embed, TargetHead(head, m.t2d, "cpu", torch.float64, vocab_chunk=16), K, "cpu", torch.float64)
     assert si.active.sum() < si.active.numel()  # the fast path really skips work here
@@ -131,7 +113,7 @@ def test_accuracy_statistics_are_consistent():
     accept length is 1 + sum_k accept_rate_k with accept_rate_k = prod_{j<=k} cond_acc_j."""
     from drafter.training.metrics import summarize
 
-    m, embed, head, mb = _tiny()
+    m, embed, head, mb = tiny_ttt_case()
     K = 3
     si = prepare(mb, embed, TargetHead(head, m.t2d, "cpu", torch.float64), K, "cpu", torch.float64)
     _, stats = fast_ttt_loss(m, si, 0.8, 1.0)
@@ -149,7 +131,7 @@ def test_accuracy_statistics_are_consistent():
 
 
 def test_micro_batch_without_loss_gives_a_zero_loss_that_backward_accepts():
-    m, embed, head, mb = _tiny()
+    m, embed, head, mb = tiny_ttt_case()
     mb.loss_mask[:] = False
     si = prepare(mb, embed, TargetHead(head, m.t2d, "cpu", torch.float64), 3, "cpu", torch.float64)
     loss, stats = fast_ttt_loss(m, si, 0.8, 1.0)

@@ -100,7 +100,7 @@ def test_chat_answers_carry_vllms_own_token_ids_through_our_client(server, expor
     from transformers import AutoTokenizer
 
     from drafter.serving.client import ChatClient, ServerPool
-    from tests.test_speculative import EOS, succ_map
+    from tests.fixtures.speculative import EOS, succ_map
 
     cfg, _, served = server
     messages = [{"role": "user", "content": "Hi"}]

@@ -13,7 +13,7 @@ from drafter.export.vllm_judge import EnginesDisagree, agreement, judge_with_vll
 from drafter.stages import export
 from drafter.store import FileStore
 from drafter.target import HFTarget
-from tests.test_export import RATE, _commit_upstreams
+from tests.fixtures.export_upstreams import RATE, commit_upstreams
 from tests.fixtures.layered import AUX, export_pair, layered_pair  # noqa: F401  (fixture)
 from tests.fixtures.net import free_port
 from tests.fixtures.vllm_env import vllm_py, vllm_serve_section  # noqa: F401  (fixture)
@@ -36,7 +36,7 @@ def _cfg(target, python, tmp, **export_section):
 def test_export_stage_judges_with_vllm_and_both_judges_agree(layered_pair, tiny_conversations, vllm_py, tmp_path):
     target, draft = layered_pair
     store = FileStore(tmp_path / "store")
-    upstream = _commit_upstreams(store, tmp_path, target, draft, tiny_conversations[200:], aux=AUX)
+    upstream = commit_upstreams(store, tmp_path, target, draft, tiny_conversations[200:], aux=AUX)
     cfg = _cfg(target, vllm_py, tmp_path)
     result = TABLE.run("export", cfg, store, upstream=upstream)
     judge = result.meta["judge"]
