@@ -17,7 +17,7 @@ import pytest
 from tests.fixtures.speculative import build_random_target, build_successor_drafter, build_successor_target
 from tests.fixtures.net import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 90.0
 
 

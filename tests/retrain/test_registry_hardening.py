@@ -17,7 +17,7 @@ from drafter.stage_output import StageOutput
 from drafter.store import FileStore, open_store
 from tests.fixtures.cli import drafter, profile
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake_export(store, fp: str, target: str = "t0") -> str:

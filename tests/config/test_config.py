@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from drafter.cli import app
 from drafter.config import ConfigError, default_aux_layer_ids, load_config, parse_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted((ROOT / "profiles").glob("*.yaml"))
 runner = CliRunner()
 

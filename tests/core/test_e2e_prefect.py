@@ -16,7 +16,7 @@ import yaml
 from tests.fixtures.net import free_port
 from drafter.stages import TABLE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # In the worker's environment only; the profile names it (serve.secrets), never holds it.
 PLANTED = "e2e-planted-Secret-7c41d9"
 pytestmark = pytest.mark.e2e

@@ -15,7 +15,7 @@ from drafter.stage_output import (
     FORMAT_VERSION, MANIFEST_NAME, ManifestError, StageOutput, fingerprint, guarded_progress)
 from drafter.store import CorruptObject, ObjectNotFound, StoreError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

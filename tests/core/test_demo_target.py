@@ -265,7 +265,7 @@ def test_same_weights_in_separate_processes(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     procs = [subprocess.Popen([sys.executable, "-c", _BUILD_IN_A_PROCESS, str(tmp_path / name), *junk],
                               cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONHASHSEED": seed})
@@ -284,7 +284,7 @@ def test_demo_profile_recipe_is_gated_and_step_budgeted():
 
     from drafter.config import DemoTargetConfig
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     demos = [yaml.safe_load((root / "profiles" / name).read_text())["target"]["demo"]
              for name in ("demo.yaml", "retrain-demo.yaml")]
     assert demos[0] == demos[1]  # one target for both profiles (same fingerprint)

@@ -194,7 +194,7 @@ def test_every_setting_we_refuse_is_one_sglang_rewrites_rejects_or_leaves_broken
     for name in ("2/2/8", "1/4/8"):
         assert "error" not in r[name]
         assert _resolved(r[name], "num_draft_tokens") == 8
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert "stricter than SGLang on purpose" in readme
 
 

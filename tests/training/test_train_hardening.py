@@ -2,7 +2,7 @@
 output, no temp dirs left by dead runs, resume past a corrupt checkpoint, SIGTERM exits 143.
 
 The runs under test are real `drafter train` processes (drafter.cli.main, gloo on CPU for two
-ranks): `python -m tests.test_train_hardening SPEC.json` below, whose only change is that the tiny
+ranks): `python -m tests.training.test_train_hardening SPEC.json` below, whose only change is that the tiny
 test dump is the train stage's upstream. The tests wait for events (a checkpoint in the store, a
 process gone), with generous deadlines; nothing asserts on speed.
 """
@@ -32,7 +32,7 @@ from drafter.training.errors import CheckpointError
 from drafter.training.trainer import train_drafter
 from tests.fixtures.training_data import make_cfg, make_dump, make_target
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FOREVER = 100_000  # max_steps of a run that only a test ends
 GONE_WITHIN_S = 180  # the watchdog's grace for the ranks' checkpoint (train.TRAINERS_GRACE_S, 60 s), and more
 
@@ -104,7 +104,7 @@ def launch(env):
         spec = tmp / f"spec{n}.json"
         spec.write_text(json.dumps({"config": str(tmp / f"cfg{n}.yaml"), "dump": dump_fp, "delay_s": delay_s}))
         child_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp / "tmp")}
-        proc = subprocess.Popen([sys.executable, "-m", "tests.test_train_hardening", str(spec)], cwd=REPO,
+        proc = subprocess.Popen([sys.executable, "-m", "tests.training.test_train_hardening", str(spec)], cwd=REPO,
                                 env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         runs.append(Run(proc))
         return runs[-1]

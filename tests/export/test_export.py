@@ -137,7 +137,7 @@ def test_sglang_export_keys_shapes_and_config_fields(pair, tmp_path):
 
 
 def test_export_refuses_a_layer_id_combination_nobody_read():
-    # the rules themselves are tests/test_layers.py's; the export turns a refusal into an ExportError
+    # the rules themselves are tests/core/test_layers.py's; the export turns a refusal into an ExportError
     assert sglang_layer_ids([2, 30, 57], "DeepseekV3ForCausalLM").ids == [3, 31, 58]
     with pytest.raises(ExportError, match="no layer-id rule for engine 'sglang' version 0.5.23 with target "
                                           "architecture 'MysteryForCausalLM'"):

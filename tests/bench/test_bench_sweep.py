@@ -23,7 +23,7 @@ from tests.fixtures.bench import (FAKE, FAST, PREPARE_FP, S213, S314, S516, UPST
                                   make_store, no_servers_left)
 from tests.fixtures.speculative import successor_pair  # noqa: F401  (fixture)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _markers(store_root: Path, fp: str) -> dict[str, str]:

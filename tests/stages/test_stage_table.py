@@ -10,7 +10,7 @@ import yaml
 from drafter.config import LifecycleConfig, is_output_field, parse_config
 from drafter.stages import STAGES, TABLE, Stage, StageTable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The config section each stage reads (the fields whose classification the fingerprints rely on).
 STAGE_SECTIONS = ("data", "datagen", "dump", "train", "export", "serve", "bench", "retrain")
 

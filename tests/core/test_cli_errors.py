@@ -36,7 +36,7 @@ def test_usage_errors_are_a_usage_line_and_exit_2(args, says):
 
 @pytest.mark.slow
 def test_export_out_is_checked_before_the_stage_runs(tmp_path):
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     onto_file = _run("export", "--config", "profiles/demo.yaml", "--out", "README.md", cwd=repo)
     assert onto_file.returncode == 2 and "README.md exists and is not a folder" in onto_file.stderr
     locked = tmp_path / "locked"
@@ -64,7 +64,7 @@ def test_sigterm_exits_143_and_saves_nothing(tmp_path):
 
     import yaml
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     profile = yaml.safe_load((repo / "profiles" / "demo.yaml").read_text())
     profile["target"]["path"] = str(tmp_path / "target")
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(profile))

@@ -21,7 +21,7 @@ from drafter.training.errors import DrafterIncompatible, DumpIncompatible
 from drafter.training.trainer import train_drafter
 from tests.fixtures.training_data import AUX, TARGET_FP, make_cfg, make_dump, make_target
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()

@@ -21,7 +21,7 @@ from drafter.store import open_store
 from tests.fixtures.datagen_fakes import (datagen_output, fakes, last_user, make_cfg, prepared,  # noqa: F401 (fixture)
                                           run_datagen, sharegpt)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 

@@ -11,7 +11,7 @@ import pytest
 from drafter.config import load_config
 from drafter.layers import UnknownLayerIdRule, engine_layer_ids, parse_version
 
-PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 
 
 # What each engine's capture loop does with draft-config ids, as outputs of decoder layers (ours).

@@ -16,7 +16,7 @@ from drafter.training.distributed import torchrun_command
 from tests.fixtures.net import free_port
 from tests.fixtures.training_data import make_dump, make_target
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(tmp: Path, target: Path, name: str, nproc: int, parallel: str) -> Path:

@@ -30,7 +30,7 @@ from drafter.tokenize import tokenize_conversation
 from tests.fixtures.dump_stage import (AUX, BUDGET, MAXLEN, convs, make_cfg, put_prepared, run_dump,  # noqa: F401
                                        shard_bytes)  # (convs: a fixture)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def plan(cfg, upstream_stage: str, fp: str):
