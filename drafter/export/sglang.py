@@ -211,7 +211,7 @@ def _layout_problems(tensors: dict[str, torch.Tensor], cfg: Eagle3DraftConfig, s
         hint = ""
         if any(k.startswith("layers.0.") for k in unknown):
             # SGLang 0.5.23's loader maps any key containing "midlayer" and also takes 'layers.0.'
-            # (tests/test_sglang_export.py); our export writes one layout, so anything else is a mistake.
+            # (tests/export/test_sglang_export.py); our export writes one layout, so anything else is a mistake.
             hint = (" ('layers.0.' is the speculators/vLLM name; our SGLang export writes 'midlayer.', "
                     "though SGLang 0.5.23 loads both)")
         problems.append(f"{WEIGHTS_FILE} has keys outside the SGLang layout (SGLang silently drops keys it does "

@@ -1,18 +1,24 @@
 """The stage table is the only wiring: the flow, the CLI and the tasks read it; a new stage is one
-module and one row; every stage has its deployment; every config field says whether it changes
+module and one row; one deployment runs any stage; every config field says whether it changes
 its stage's output."""
 import json
 from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from drafter.config import LifecycleConfig, is_output_field, parse_config
 from drafter.stages import STAGES, TABLE, Stage, StageTable
 
 ROOT = Path(__file__).resolve().parents[2]
-# The config section each stage reads (the fields whose classification the fingerprints rely on).
-STAGE_SECTIONS = ("data", "datagen", "dump", "train", "export", "serve", "bench", "retrain")
+# The config sections stages read: every section of LifecycleConfig except the shared ones, so a new
+# stage's section is checked without a list to edit. `target` and `storage` are every stage's: the
+# target enters fingerprints through target_identity, the storage never.
+SHARED_SECTIONS = ("target", "storage")
+STAGE_SECTIONS = tuple(name for name, info in LifecycleConfig.model_fields.items()
+                       if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)
+                       and name not in SHARED_SECTIONS)
 
 
 def all_log_messages(client) -> list[str]:
