@@ -61,11 +61,12 @@ class StageResult:
 
     @classmethod
     def committed(cls, manifest: Manifest, uri: str, skipped: bool, summary: Iterable[str] = (),
-                  table: Iterable[dict] = ()) -> "StageResult":
-        """The result of a stage whose output is `manifest` at `uri`."""
+                  table: Iterable[dict] = (), meta: dict | None = None) -> "StageResult":
+        """The result of a stage whose output is `manifest` at `uri`; `meta` replaces the manifest's
+        when a stage keeps a bulky part of it out of task results."""
         return cls(stage=manifest.stage, status="skipped" if skipped else "done", uri=uri,
-                   fingerprint=manifest.fingerprint, meta=manifest.meta, manifest=manifest,
-                   summary=tuple(summary), table=tuple(table))
+                   fingerprint=manifest.fingerprint, meta=manifest.meta if meta is None else meta,
+                   manifest=manifest, summary=tuple(summary), table=tuple(table))
 
     def outcome(self) -> str:
         """One line: did it run, or find its output complete (what `make demo` prints)."""

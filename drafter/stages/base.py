@@ -91,7 +91,4 @@ def _shared(inputs, out):
 
 def _committed(code: ModuleType, inputs, out: StageOutput, skipped: bool) -> StageResult:
     summary = code.summarize(inputs, out)
-    manifest = out.manifest
-    return StageResult(stage=manifest.stage, status="skipped" if skipped else "done", uri=out.uri,
-                       fingerprint=manifest.fingerprint, meta=manifest.meta if summary.meta is None else summary.meta,
-                       manifest=manifest, summary=tuple(summary.lines), table=tuple(summary.table))
+    return StageResult.committed(out.manifest, out.uri, skipped, summary.lines, summary.table, summary.meta)

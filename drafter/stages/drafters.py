@@ -57,14 +57,13 @@ class Drafters:
 
 
 def needs_export(cfg: LifecycleConfig, stage: str) -> bool:
-    """Whether `stage` takes a drafter from this run's export (so the table makes it an upstream)."""
-    if stage == "champion" or (stage == "bench" and cfg.retrain.bench):
-        return True
+    """Whether the bench or the serve stage takes a drafter from this run's export (so the table
+    makes it an upstream); the champion stage always does (its challenger)."""
     if stage == "bench":
-        return bool(cfg.bench.speculative) and not cfg.serve.draft_path
+        return cfg.retrain.bench or (bool(cfg.bench.speculative) and not cfg.serve.draft_path)
     if stage == "serve":
         return cfg.serve.speculative is not None and not cfg.serve.draft_path
-    return False
+    raise ValueError(f"needs_export: {stage!r} is neither bench nor serve")
 
 
 def resolve_drafter(cfg: LifecycleConfig, store: ObjectStore, upstream: Mapping[str, str], *,
