@@ -24,10 +24,13 @@ from drafter.config import LifecycleConfig, load_config
 from drafter.errors import describe
 from drafter.stages import TABLE, Stage, StageTable
 from tasks.common import failure_of, reap_left_servers
+from tasks.fanout import cancel_fanned_out_children
 from tasks.stage import stage_task
 from tasks.target import ensure_target_task
 
-REAP = dict(on_cancellation=[reap_left_servers], on_crashed=[reap_left_servers])
+# A cancelled or crashed run: its servers reaped, its fanned-out children cancelled, all at once.
+REAP = dict(on_cancellation=[reap_left_servers, cancel_fanned_out_children],
+            on_crashed=[reap_left_servers, cancel_fanned_out_children])
 NOT_RUN = "not run (an earlier stage failed)"
 
 

@@ -28,6 +28,9 @@ stop_group() {
 }
 
 rc=0
-stop_group worker || rc=1
+for pidfile in "$RUN_DIR"/worker*.pid; do
+  [ -e "$pidfile" ] || continue
+  stop_group "$(basename "$pidfile" .pid)" || rc=1
+done
 stop_group server || rc=1
 exit $rc

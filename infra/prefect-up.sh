@@ -47,13 +47,18 @@ with get_client(sync_client=True) as client:
 PY
 echo "work pool $POOL ready (process)"
 
-if alive "$RUN_DIR/worker.pid"; then
-  echo "worker already running (pid $(cat "$RUN_DIR/worker.pid"))"
-else
-  setsid "$VENV/bin/python" "$ROOT/infra/worker.py" "$POOL" >"$RUN_DIR/worker.log" 2>&1 < /dev/null &
-  echo $! > "$RUN_DIR/worker.pid"
-  echo "worker started (log: $RUN_DIR/worker.log)"
-fi
+# DRAFTER_WORKERS=N starts N process workers on the pool (a fan-out's children run side by side):
+# worker.pid / worker.log, then worker-2.pid / worker-2.log, ...
+for i in $(seq 1 "${DRAFTER_WORKERS:-1}"); do
+  name=worker; [ "$i" = 1 ] || name="worker-$i"
+  if alive "$RUN_DIR/$name.pid"; then
+    echo "$name already running (pid $(cat "$RUN_DIR/$name.pid"))"
+  else
+    setsid "$VENV/bin/python" "$ROOT/infra/worker.py" "$POOL" "$name" >"$RUN_DIR/$name.log" 2>&1 < /dev/null &
+    echo $! > "$RUN_DIR/$name.pid"
+    echo "$name started (log: $RUN_DIR/$name.log)"
+  fi
+done
 
 "$PREFECT" --no-prompt deploy --all --prefect-file deployments/prefect.yaml >"$RUN_DIR/deploy.log" 2>&1 \
   || { cat "$RUN_DIR/deploy.log" >&2; exit 1; }

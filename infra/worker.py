@@ -7,14 +7,16 @@ and turns SIGTERM/SIGINT into a cancellation of that group, which lets the worke
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 
 import anyio
 from prefect.workers.process import ProcessWorker
 
 
-async def main(pool: str) -> None:
-    worker = ProcessWorker(work_pool_name=pool)
+async def main(pool: str, name: str | None) -> None:
+    # a distinct name per worker: the pool's page lists each of them
+    worker = ProcessWorker(work_pool_name=pool, name=f"{name}-{socket.gethostname()}" if name else None)
     async with anyio.create_task_group() as group:
         group.start_soon(worker.start)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -27,4 +29,4 @@ async def main(pool: str) -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(main, sys.argv[1] if len(sys.argv) > 1 else "drafter-local")
+    anyio.run(main, sys.argv[1] if len(sys.argv) > 1 else "drafter-local", sys.argv[2] if len(sys.argv) > 2 else None)

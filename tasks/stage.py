@@ -15,9 +15,12 @@ from prefect.tasks import exponential_backoff
 from drafter.config import LifecycleConfig
 from drafter.errors import DrafterError, describe
 from drafter.serving.launcher import ServerLine
+from drafter.fanout import RangeTask
+from drafter.stage_output import StageResult
 from drafter.stages import Stage, StageTable
 from drafter.store import open_store
 from tasks.common import ProgressArtifact, log, retry_retryable, this_run_owns_its_servers
+from tasks.fanout import fan_out_runner
 
 
 def skipped_message(uri: str) -> str:
@@ -36,37 +39,64 @@ def stage_task(stage: Stage, table: StageTable) -> Task:
                                      description=f"{stage.name}: the gate's verdict")
 
     def run(cfg: LifecycleConfig, fingerprints: dict[str, str | None]) -> dict:
-        logger = log()
-        fps = table.fingerprints(cfg, fingerprints)
-        progress = ProgressArtifact(f"{stage.name}-progress", stage.description)
-
-        def on_line(line: str) -> None:
-            # Server output never reaches the UI by itself: stream it into the run log, marked as
-            # the server's; the stage's own lines go as they are.
-            logger.info("[server] %s" if isinstance(line, ServerLine) else "%s", line)
-
-        try:
-            with this_run_owns_its_servers():
-                result = table.run(stage.name, cfg, open_store(cfg.storage), fingerprints=fps, progress=progress,
-                                   on_line=on_line)
-        except DrafterError as err:
-            # The CLI's one line, in the run log too (Prefect's own traceback follows it).
-            logger.error("%s: %s", stage.name, describe(err))
-            verdict(error=err)
-            raise
-        if result.skipped:
-            logger.info("%s: skipped, output already complete at %s", stage.name, result.uri)
-        elif result.manifest is not None:
-            logger.info("%s: wrote %s", stage.name, result.uri)
-        for line in result.summary:
-            logger.info("%s: %s", stage.name, line)
+        fan_out = fan_out_runner(cfg) if stage.fans_out else None
+        result = _run_logged(stage, lambda **kw: table.run(stage.name, cfg, open_store(cfg.storage),
+                                                           fingerprints=table.fingerprints(cfg, fingerprints),
+                                                           fan_out=fan_out, **kw), verdict)
         if result.table and not result.skipped:
             create_table_artifact(key=f"{stage.name}-summary", description=f"{stage.name} {result.uri}",
                                   table=list(result.table))
         if result.skipped:  # a skipped gate published its verdict in the run that decided
             return Completed(message=skipped_message(result.uri), data=result.to_dict())
         verdict(result)
+        fanned = (result.meta.get("throughput") or result.meta).get("fan_out")
+        if fanned:  # the stage's state message keeps the ranges' count
+            return Completed(message=f"{stage.name}: {fanned['ranges']} of {fanned['ranges']} ranges done, 0 failed "
+                                     f"({fanned['launched']} launched here)", data=result.to_dict())
         return result.to_dict()
 
     return task(run, name=stage.name, retries=stage.retries, retry_delay_seconds=exponential_backoff(10),
                 retry_jitter_factor=0.5, retry_condition_fn=retry_retryable)
+
+
+def range_task(stage: Stage, table: StageTable) -> Task:
+    """A task computing one range of a fanned-out stage (a child run, flows/fanout.py): the same
+    logging, progress and retry policy as the stage's own task; it writes shards, never commits."""
+
+    def run(cfg: LifecycleConfig, upstream: dict[str, str], task: dict) -> dict:
+        spec = RangeTask.from_dict(task)
+        result = _run_logged(stage, lambda **kw: table.run(stage.name, cfg, open_store(cfg.storage), upstream=upstream,
+                                                           range_task=spec, **kw))
+        return Completed(message=result.summary[0], data=result.to_dict())
+
+    return task(run, name=f"{stage.name}-range", retries=stage.retries, retry_delay_seconds=exponential_backoff(10),
+                retry_jitter_factor=0.5, retry_condition_fn=retry_retryable)
+
+
+def _run_logged(stage: Stage, run, verdict=None) -> StageResult:
+    """Run the stage with this run owning its servers, server lines and progress into Prefect,
+    its outcome and summary lines logged."""
+    logger = log()
+    progress = ProgressArtifact(f"{stage.name}-progress", stage.description)
+
+    def on_line(line: str) -> None:
+        # Server output never reaches the UI by itself: stream it into the run log, marked as
+        # the server's; the stage's own lines go as they are.
+        logger.info("[server] %s" if isinstance(line, ServerLine) else "%s", line)
+
+    try:
+        with this_run_owns_its_servers():
+            result = run(progress=progress, on_line=on_line)
+    except DrafterError as err:
+        # The CLI's one line, in the run log too (Prefect's own traceback follows it).
+        logger.error("%s: %s", stage.name, describe(err))
+        if verdict is not None:
+            verdict(error=err)
+        raise
+    if result.skipped:
+        logger.info("%s: skipped, output already complete at %s", stage.name, result.uri)
+    elif result.manifest is not None:
+        logger.info("%s: wrote %s", stage.name, result.uri)
+    for line in result.summary:
+        logger.info("%s: %s", stage.name, line)
+    return result

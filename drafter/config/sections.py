@@ -47,7 +47,33 @@ class DataConfig(Strict):
         return self
 
 
-class DatagenConfig(Strict):
+class FanOutFields(Strict):
+    """How a stage whose work is shards (datagen, dump) fans out over workers (drafter.fanout).
+    None of it changes what the stage produces: `workers: 1` and `workers: N` write the same bytes."""
+
+    workers: int = OperationalField(
+        1, ge=1, description="split the shards into this many contiguous ranges, each a child flow run on a "
+                             "work pool (1: everything in this run, as always)")
+    worker_deployment: str = OperationalField(
+        "drafter-stage-range/local", description="the deployment the children run (flow/deployment); its work "
+                                                 "pool decides where they run")
+    worker_job_variables: dict[str, Any] = OperationalField(
+        default_factory=dict, description="job variables of every child run (e.g. {gpus: 8, node_selector: {...}} "
+                                          "on the Kubernetes pool, infra/k8s)")
+    worker_attempts: int = OperationalField(
+        3, ge=1, description="launches of a range whose child was lost (crashed, or its lease stopped)")
+    worker_lease_timeout_s: float = OperationalField(
+        120.0, gt=0, description="a running child whose lease has not moved for this long is lost: relaunched")
+
+    @field_validator("worker_deployment")
+    @classmethod
+    def _flow_slash_deployment(cls, v: str) -> str:
+        if v.count("/") != 1 or not all(v.split("/")):
+            raise ValueError(f"expected FLOW/DEPLOYMENT, got {v!r}")
+        return v
+
+
+class DatagenConfig(FanOutFields):
     """Regenerating answers with the target through OpenAI-compatible servers."""
 
     server_urls: list[str] = OperationalField(default_factory=list,
@@ -86,7 +112,7 @@ class DatagenConfig(Strict):
         return self
 
 
-class DumpConfig(Strict):
+class DumpConfig(FanOutFields):
     """Capturing the target's hidden states."""
 
     upstream: Literal["datagen", "prepare"] = OutputField(

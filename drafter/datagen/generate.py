@@ -38,6 +38,7 @@ class Shard:
     remaining: int = 0
     saved: bool = False
     digest: str = ""               # drafter.retrain.reuse.digest of the conversations' keys (resume check)
+    servers: Counter = field(default_factory=Counter)  # which server answered each record's last turn
 
     def __post_init__(self) -> None:
         self.records = [None] * len(self.conversations)
@@ -109,12 +110,17 @@ def shard_meta(records: list[dict], errors: list[dict], check: RetokenizeCheck) 
     }
 
 
+def server_counts(shard: "Shard") -> dict[str, int]:
+    return dict(sorted(shard.servers.items()))
+
+
 def write_shard_files(out: StageOutput, shard: Shard, records: list[dict], errors: list[dict],
                        check: RetokenizeCheck) -> None:
     if errors:
         out.write_shard(shard.error_name, to_jsonl(errors), meta={"rows": len(errors)})
     out.write_shard(shard.name, to_jsonl(records),
-                    meta={**shard_meta(records, errors, check), "input_digest": shard.digest})
+                    meta={**shard_meta(records, errors, check), "servers": server_counts(shard),
+                          "input_digest": shard.digest})
 
 
 # ------------------------------------------------------------------------------- the async run
@@ -180,8 +186,10 @@ class _Generation:
     async def _work(self) -> None:
         while (job := await self.jobs.get()) is not None:
             shard, position, conversation = job
-            record, error = await self._regenerate(conversation)
+            record, error, server = await self._regenerate(conversation)
             shard.finish(position, record, error)
+            if record is not None:
+                shard.servers[server] += 1
             self.errors += error is not None
             self.done += 1
             if shard.remaining == 0:
@@ -215,8 +223,10 @@ class _Generation:
 
     # ---- one conversation
 
-    async def _regenerate(self, conversation: dict) -> tuple[dict | None, dict | None]:
-        """(record, None) or (None, error record)."""
+    async def _regenerate(self, conversation: dict) -> tuple[dict | None, dict | None, str | None]:
+        """(record, None, the server of its last turn) or (None, error record, None). The record
+        does not name its server: the answers alone decide its bytes, whichever server (or fan-out
+        child) gave them; the shard's marker counts the servers."""
         history: list[dict] = []  # what the next turn is asked with: text only
         kept: list[dict] = []     # what the record keeps: the answers with their ids
         finish_reasons: list[str | None] = []
@@ -233,7 +243,7 @@ class _Generation:
                 answer = await self.client.chat(history, prefer=server)
             except RequestFailed as err:
                 return None, {"id": conversation["id"], "reason": err.reason, "attempts": err.attempts,
-                              "server": err.server, "turn": len(finish_reasons), "detail": err.detail[:500]}
+                              "server": err.server, "turn": len(finish_reasons), "detail": err.detail[:500]}, None
             history.append({"role": "assistant", "content": answer.content})
             kept.append(history[-1] if answer.token_ids is None else {**history[-1], TOKEN_IDS: answer.token_ids})
             finish_reasons.append(answer.finish_reason)
@@ -245,7 +255,7 @@ class _Generation:
         return {"id": conversation["id"], "messages": kept, "source_id": conversation["id"],
                 "finish_reasons": finish_reasons,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
-                "gen": {**self.gen_info, "server": server}}, None
+                "gen": dict(self.gen_info)}, None, server
 
     # ---- figures
 

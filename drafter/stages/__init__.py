@@ -19,7 +19,8 @@ from types import ModuleType
 
 from drafter.config import LifecycleConfig
 from drafter.stage_output import Progress, StageOutput, StageResult
-from drafter.stages.base import StageContext, run_stage
+from drafter.fanout import FanOut, RangeTask
+from drafter.stages.base import StageContext, run_range, run_stage
 from drafter.store import ObjectStore, open_store
 
 
@@ -32,6 +33,7 @@ class Stage:
     retries: int = 3                  # attempts after the first, for errors that are `retryable`
     gate: bool = False                # its module's verdict(result, error) is published (drafter.outputs)
     unit: str = "item"                # what its progress counts (`drafter run`'s progress bar)
+    fans_out: bool = False            # its module plans shards (`plan`): `<stage>.workers` > 1 fans them out
 
     @property
     def code(self) -> ModuleType:
@@ -54,8 +56,9 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     Stage("prepare", "drafter.stages.prepare", "normalise, dedupe, filter and split the prompt corpus", unit="row"),
     Stage("datagen", "drafter.stages.datagen", "regenerate the answers with the target",
-          starts_servers=True, retries=2, unit="conv"),
-    Stage("dump", "drafter.stages.dump", "capture the target's aux + final hidden states", unit="shard"),
+          starts_servers=True, retries=2, unit="conv", fans_out=True),
+    Stage("dump", "drafter.stages.dump", "capture the target's aux + final hidden states", unit="shard",
+          fans_out=True),
     Stage("train", "drafter.stages.train", "train the EAGLE-3 drafter on the hidden states", unit="step"),
     Stage("export", "drafter.stages.export", "write the SGLang and vLLM formats, check them, judge the "
                                              "accept length offline", gate=True, unit="prompt"),
@@ -103,7 +106,7 @@ class StageTable:
     def context(self, name: str, cfg: LifecycleConfig, store: ObjectStore | None = None, *,
                 upstream: Mapping[str, str] | None = None, fingerprints: "Fingerprints | None" = None,
                 progress: Progress | None = None, on_line: Callable[[str], None] | None = None,
-                **options) -> StageContext:
+                fan_out: Callable[[FanOut], dict] | None = None, **options) -> StageContext:
         """The context of one run of `name`: its upstream fingerprints given, or resolved from the table."""
         store = store if store is not None else open_store(cfg.storage)
         if upstream is None:
@@ -112,7 +115,7 @@ class StageTable:
         if unknown:
             raise KeyError(f"stage {name!r} needs unknown stages {unknown}; stages: {', '.join(self.names)}")
         return StageContext(cfg=cfg, store=store, upstream=dict(upstream), progress=progress, on_line=on_line,
-                            options=options)
+                            options=options, fan_out=fan_out)
 
     def upstream_names(self, name: str, cfg: LifecycleConfig) -> tuple[str, ...]:
         return self[name].upstream_of(cfg)
@@ -130,12 +133,19 @@ class StageTable:
     def run(self, name: str, cfg: LifecycleConfig, store: ObjectStore | None = None, *,
             upstream: Mapping[str, str] | None = None, fingerprints: "Fingerprints | None" = None,
             progress: Progress | None = None, on_line: Callable[[str], None] | None = None,
+            fan_out: Callable[[FanOut], dict] | None = None, range_task: RangeTask | None = None,
             **options) -> StageResult:
         """Run one stage (drafter.stages.base.run_stage) with its upstream fingerprints given or
-        resolved from the table; a flow's `fingerprints` records what it produced."""
+        resolved from the table; a flow's `fingerprints` records what it produced. `fan_out` runs
+        the ranges of a stage that fans out; `range_task` makes this run one such range's child."""
+        if range_task is not None and not self[name].fans_out:
+            raise KeyError(f"stage {name!r} does not fan out; stages that do: "
+                           f"{', '.join(s.name for s in self.stages if s.fans_out)}")
         ctx = self.context(name, cfg, store, upstream=upstream, fingerprints=fingerprints, progress=progress,
-                           on_line=on_line, **options)
+                           on_line=on_line, fan_out=fan_out if self[name].fans_out else None, **options)
         try:
+            if range_task is not None:
+                return run_range(name, self[name].code, ctx, range_task)
             result = run_stage(name, self[name].code, ctx)
         finally:
             _release_gpu_cache()

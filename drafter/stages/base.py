@@ -9,6 +9,13 @@ A stage module (one per row of the table in drafter.stages) defines:
     build(inputs, out) -> Built             do the work into `out` (a StageOutput); what to commit
     summarize(inputs, out) -> Summary       its lines and table, from the committed output
 
+A stage whose work is independent shards (datagen, dump; `fans_out` in its row) defines
+`plan(inputs, out, owner) -> Work` instead of `build`: its shards in plan order, which are pending,
+how to compute some of them, and what to commit. The skeleton then computes them here, or, with
+`<stage>.workers` > 1 and a fan-out runner in the context (the Prefect task gives one), in child
+runs of contiguous ranges (drafter.fanout); a child runs `run_range`, which computes its range and
+never commits.
+
 and optionally `exclusive(inputs, out)` (a context manager held from the second completeness check
 to the commit: train's one-run-per-output lock) and `verdict(result, error)` (a gate's verdict as
 markdown, drafter.outputs). `run_stage` does the rest once for all: skip a complete output,
@@ -18,14 +25,19 @@ from `build(inputs, None)`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 from drafter.config import LifecycleConfig
+from drafter.errors import DrafterError
+from drafter.fanout import FanOut, Lease, PlanChanged, RangeTask, lease_key, plan_digest, split_ranges
 from drafter.stage_output import Progress, StageOutput, StageResult
 from drafter.store import ObjectStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,7 @@ class StageContext:
     progress: Progress | None = None
     on_line: Callable[[str], None] | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    fan_out: Callable[[FanOut], dict] | None = None   # runs the ranges' children, waits (tasks/fanout.py)
 
     def say(self, line: str) -> None:
         if self.on_line is not None:
@@ -65,6 +78,31 @@ class Summary:
     meta: dict | None = None
 
 
+@dataclass(frozen=True)
+class Work:
+    """A fan-out-able stage's plan: `units` its shards in plan order (ranges cut this list), each
+    computed from `inputs[i]` (a digest); `pending` those without a verified marker for this plan;
+    `compute(names)` computes some pending ones (returns this run's figures); `finish(figures)` what
+    to commit once none is pending."""
+
+    units: Sequence[str]
+    inputs: Sequence[str]
+    pending: Sequence[str]
+    compute: Callable[[Sequence[str]], dict]
+    finish: Callable[[dict], Built]
+
+    @property
+    def digest(self) -> str:
+        return plan_digest(self.units, self.inputs)
+
+
+class RangesIncomplete(DrafterError):
+    """Every child reported done, yet shards of the plan have no verified marker (a child wrote
+    elsewhere, or its shards were removed meanwhile): nothing is committed."""
+
+    retryable = True
+
+
 def run_stage(name: str, code: ModuleType, ctx: StageContext) -> StageResult:
     """Resolve the inputs, then skip a complete output or build and commit it."""
     inputs = code.inputs(ctx)
@@ -77,11 +115,60 @@ def run_stage(name: str, code: ModuleType, ctx: StageContext) -> StageResult:
     with getattr(code, "exclusive", _shared)(inputs, out):
         if out.is_complete():  # committed by the run that held the stage before us
             return _committed(code, inputs, out, skipped=True)
-        built = code.build(inputs, out)
+        built = code.build(inputs, out) if not hasattr(code, "plan") else _build_planned(name, code, inputs, out, ctx)
         out.commit(built.meta, expect=built.expect)
         if built.after_commit is not None:
             built.after_commit()
     return _committed(code, inputs, out, skipped=False)
+
+
+def _build_planned(name: str, code: ModuleType, inputs, out: StageOutput, ctx: StageContext) -> Built:
+    """Compute the pending shards here, or fan them out in ranges; then what to commit."""
+    work = code.plan(inputs, out, owner=True)
+    workers = getattr(ctx.cfg, name).workers
+    figures: dict = {}
+    if work.pending and workers > 1 and ctx.fan_out is not None:
+        ranges = split_ranges(work.units, workers)
+        pending = set(work.pending)
+        todo = [r for r in ranges if pending & set(work.units[r.start:r.stop])]
+        figures = {"fan_out": ctx.fan_out(FanOut(name, out.fingerprint, dict(ctx.upstream), work.digest, todo,
+                                                 len(ranges)))}
+        left = code.plan(inputs, out, owner=True).pending  # what the children wrote, as the store says
+        if left:
+            raise RangesIncomplete(f"{name}: the children reported done but {len(left)} shards have no "
+                                   f"verified marker (first: {left[0]}); nothing committed")
+    elif work.pending:
+        if workers > 1:
+            log.info("%s: %s.workers = %d fans out only in the Prefect flow; computing all %d pending shards here",
+                     name, name, workers, len(work.pending))
+        figures = work.compute(work.pending)
+    return work.finish(figures)
+
+
+def run_range(name: str, code: ModuleType, ctx: StageContext, task: RangeTask) -> StageResult:
+    """A fan-out child: compute the pending shards of `task.part` (with their markers), beating its
+    lease meanwhile; never commit. Refuses a plan or an output other than its parent's."""
+    with Lease(ctx.store, lease_key(name, task.fingerprint, task.part, task.attempt), task.lease_interval_s):
+        inputs = code.inputs(ctx)
+        fp = code.fingerprint(inputs)
+        if fp != task.fingerprint:
+            raise PlanChanged(f"{name}: this child's output is {fp}, its parent's {task.fingerprint}: the "
+                              f"configuration or an upstream output differs between them")
+        out = StageOutput(ctx.store, name, fp)
+        if out.is_complete():
+            return StageResult(stage=name, status="skipped", uri=out.uri, fingerprint=fp,
+                               summary=(f"{task.part.label}: output already committed",))
+        work = code.plan(inputs, out, owner=False)
+        if work.digest != task.plan:
+            raise PlanChanged(f"{name}: {task.part.label}: the plan changed since the parent made it "
+                              f"({work.digest} != {task.plan}); the parent's next run plans again")
+        mine = set(work.units[task.part.start:task.part.stop])
+        names = [n for n in work.pending if n in mine]
+        figures = work.compute(names) if names else {}
+    line = (f"{task.part.label} ({task.part.first}..{task.part.last}): computed {len(names)} of "
+            f"{len(mine)} shards" + (", the others were already done" if len(names) < len(mine) else ""))
+    return StageResult(stage=name, status="range done", uri=out.uri, fingerprint=fp,
+                       meta={"range": task.part.to_dict(), "computed": names, "figures": figures}, summary=(line,))
 
 
 @contextlib.contextmanager

@@ -3,8 +3,10 @@
 Output (`datagen/<fingerprint>/`):
 - `gen-00000.jsonl`, ...: one record per conversation, in prepared order:
   `{"id", "messages", "source_id", "finish_reasons", "usage": {"prompt_tokens", "completion_tokens"},
-  "gen": {"model", "temperature", "max_tokens", "server"}}` (`id` == `source_id`: one generation per
-  prompt; `server` answered the last turn). Each assistant message is `{"role", "content"}` plus
+  "gen": {"model", "temperature", "max_tokens"}}` (`id` == `source_id`: one generation per prompt).
+  A record does not name the server that answered it, so the same answers are the same bytes
+  whichever servers (or fan-out children) gave them; the shard's marker counts, per server URL,
+  the records whose last turn it answered (`servers`). Each assistant message is `{"role", "content"}` plus
   `"token_ids"`: the ids the engine generated for it, as returned (the stop token included when the
   engine returns it), present only when the server returned ids (drafter.serving.engines
   `answer_token_ids`). The dump trains on these ids and re-tokenises only records without them
@@ -46,14 +48,14 @@ from typing import Any
 
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.datagen.generate import RetokenizeCheck, generate, run_sync, with_servers, write_shard_files
-from drafter.datagen.plan import (RETOKENIZE_WARN_BELOW, drop_unplanned, manifest_meta, not_empty, plan_shards,
-                                  token_id_line, token_id_warnings)
+from drafter.datagen.plan import (RETOKENIZE_WARN_BELOW, drop_stale_errors, drop_unplanned, manifest_meta, not_empty,
+                                  plan_shards, token_id_line, token_id_warnings)
 from drafter.formats import DATAGEN as STAGE
 from drafter.formats import PREPARE, SPLITS, split_prefix
 from drafter.retrain import reuse
 from drafter.stage_output import StageOutput, to_jsonl
 from drafter.stage_output import fingerprint as stage_fingerprint
-from drafter.stages.base import Built, StageContext, Summary
+from drafter.stages.base import Built, StageContext, Summary, Work
 from drafter.target_identity import target_identity
 
 log = logging.getLogger(__name__)
@@ -62,8 +64,8 @@ __all__ = ["RETOKENIZE_WARN_BELOW", "token_id_warnings"]
 
 # Bump when what a datagen output holds changes for the same settings: 2 = answers carry the
 # engine's token ids, so outputs written before (text only, re-tokenized by the dump) are neither
-# skipped nor reused.
-DATAGEN_RECORD_VERSION = 2
+# skipped nor reused; 3 = records no longer name their server (the shard markers count them).
+DATAGEN_RECORD_VERSION = 3
 
 
 def needs(cfg: LifecycleConfig) -> tuple[str, ...]:
@@ -89,56 +91,66 @@ def fingerprint(inputs: Inputs) -> str:
     return stage_fingerprint(STAGE, inputs.settings, [inputs.ctx.upstream[PREPARE]])
 
 
-def build(inputs: Inputs, out: StageOutput) -> Built:
+def plan(inputs: Inputs, out: StageOutput, owner: bool) -> Work:
     """Regenerate the answers of both prepared splits (train, then the held-out eval split, whose
     shards carry the prefix `eval-`) through `datagen.server_urls` (OpenAI-compatible), or, with
-    none given, through `serve.engine` serving the target alone, started here through the server
-    session and always torn down. Resumes at the missing shards. Raises DatagenServerDown, after
-    saving every finished shard, when a server stops answering. The context's `on_line` receives
-    the start-up log lines of a server the stage starts itself."""
+    none given, through `serve.engine` serving the target alone, started by whoever computes the
+    shards (this run, or each fan-out child its own) through the server session and always torn
+    down. Resumes at the missing shards. The owner (the run that commits) references earlier
+    shards and writes the ones whose answers are all copied; a fan-out child only computes.
+    Computing raises DatagenServerDown, after saving every finished shard, when a server stops
+    answering. The context's `on_line` receives the start-up log lines of a server started here."""
     ctx, cfg, store = inputs.ctx, inputs.ctx.cfg, inputs.ctx.store
     prepare_fingerprint = ctx.upstream[PREPARE]
     key = reuse.reuse_key(STAGE, inputs.settings)
     earlier = reuse.earlier_outputs(store, STAGE, key, out.fingerprint)
     shards, links = plan_shards(store, cfg, prepare_fingerprint, earlier)
-    plan = {split: [name for name, _ in links if name.startswith(f"{split_prefix(split)}gen-")]
-            + [s.name for s in shards if s.split == split] for split in SPLITS}
+    names = {split: [name for name, _ in links if name.startswith(f"{split_prefix(split)}gen-")]
+             + [s.name for s in shards if s.split == split] for split in SPLITS}
     done = out.completed_shards()
     digest_of = lambda name: (done[name].meta.get("input_digest") if name in done else None)
-    for name, link in links:
-        if digest_of(name) != reuse.digest(link.keys):
-            out.store.delete(out.key(name.replace("gen-", "errors-", 1)))  # a killed attempt's
-            out.link_shard(name, link.source, link.source_name,
-                           meta={**reuse.linked_meta(link.source.manifest.shard(link.source_name).meta),
-                                 "input_digest": reuse.digest(link.keys)})
     todo = [s for s in shards if digest_of(s.name) != s.digest]
     resumed = len(shards) - len(todo)
     reused = {"earlier_outputs": [o.fingerprint for o in earlier], "linked_shards": len(links),
               "linked_conversations": sum(len(link.keys) for _, link in links),
               "copied_conversations": sum(len(s.conversations) - s.remaining for s in shards),
               "asked_conversations": sum(s.remaining for s in todo)}
-    this_run: dict[str, Any] = {}
     check = RetokenizeCheck(cfg)
-    drop_unplanned(out, done, plan, todo)
-    for shard in [s for s in todo if not s.remaining]:  # every answer copied: nothing to ask
-        write_shard_files(out, shard, list(shard.records), [], check)
-    todo = [s for s in todo if s.remaining]
-    if todo:
+    if owner:
+        for name, link in links:
+            if digest_of(name) != reuse.digest(link.keys):
+                out.store.delete(out.key(name.replace("gen-", "errors-", 1)))  # a killed attempt's
+                out.link_shard(name, link.source, link.source_name,
+                               meta={**reuse.linked_meta(link.source.manifest.shard(link.source_name).meta),
+                                     "input_digest": reuse.digest(link.keys)})
+        drop_unplanned(out, done, names, todo)
+        for shard in [s for s in todo if not s.remaining]:  # every answer copied: nothing to ask
+            write_shard_files(out, shard, list(shard.records), [], check)
+    asked = [s for s in todo if s.remaining]
+
+    def compute(wanted) -> dict:
+        mine = [s for s in asked if s.name in set(wanted)]
+        drop_stale_errors(out, done, mine)
         if resumed:
             log.info("datagen: resuming %s, %d of %d shards already done", out.uri, resumed, len(shards))
         total = sum(len(s.conversations) for s in shards)
-        done_before = total - sum(len(s.conversations) for s in todo)
-        ask = lambda urls: run_sync(generate(out, cfg, todo, urls, ctx.progress, done_before, total, check))
-        this_run = with_servers(cfg, ask, ctx.on_line)
-    # The keys of what each shard really holds (a conversation that failed is not in it).
-    linked_keys = {name: link.keys for name, link in links}
-    out.write_shard(reuse.KEYS_SHARD, to_jsonl(
-        {"shard": name, "keys": linked_keys.get(name) or [reuse.conversation_key(r) for r in out.read_jsonl(name)]}
-        for split in SPLITS for name in plan[split]))
-    return Built(lambda committed: not_empty(cfg, manifest_meta(cfg, committed, plan, prepare_fingerprint,
-                                                                resumed, this_run, reused)),
-                 expect=[*plan["train"], *plan["eval"], reuse.KEYS_SHARD],
-                 after_commit=lambda: reuse.register(out, key))
+        done_before = total - sum(len(s.conversations) for s in mine)
+        ask = lambda urls: run_sync(generate(out, cfg, mine, urls, ctx.progress, done_before, total, check))
+        return with_servers(cfg, ask, ctx.on_line)
+
+    def finish(this_run: dict) -> Built:
+        # The keys of what each shard really holds (a conversation that failed is not in it).
+        linked_keys = {name: link.keys for name, link in links}
+        out.write_shard(reuse.KEYS_SHARD, to_jsonl(
+            {"shard": name, "keys": linked_keys.get(name) or [reuse.conversation_key(r) for r in out.read_jsonl(name)]}
+            for split in SPLITS for name in names[split]))
+        return Built(lambda committed: not_empty(cfg, manifest_meta(cfg, committed, names, prepare_fingerprint,
+                                                                    resumed, this_run, reused)),
+                     expect=[*names["train"], *names["eval"], reuse.KEYS_SHARD],
+                     after_commit=lambda: reuse.register(out, key))
+
+    return Work(units=[s.name for s in shards], inputs=[s.digest for s in shards],
+                pending=[s.name for s in asked], compute=compute, finish=finish)
 
 
 def summarize(inputs: Inputs, out: StageOutput) -> Summary:

@@ -57,7 +57,7 @@ from drafter.formats import DUMP as STAGE
 from drafter.formats import hidden_state_shard_name as shard_name
 from drafter.retrain import reuse
 from drafter.stage_output import StageOutput
-from drafter.stages.base import Built, StageContext, Summary
+from drafter.stages.base import Built, StageContext, Summary, Work
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,10 @@ def fingerprint(inputs: Inputs) -> str:
     return inputs.plan.fingerprint
 
 
-def build(inputs: Inputs, out: StageOutput) -> Built:
+def plan(inputs: Inputs, out: StageOutput, owner: bool) -> Work:
     """Capture the hidden states of `dump.upstream`'s conversations on `dump.devices`; resume at
-    the first unverified shard; reference pieces an earlier dump already computed."""
+    the first unverified shard. The owner (the run that commits) drops a killed attempt's shards of
+    another plan and references pieces an earlier dump already computed; a fan-out child only computes."""
     cfg, store, plan, progress = inputs.ctx.cfg, inputs.ctx.store, inputs.plan, inputs.ctx.progress
     upstream_stage, upstream_fingerprint = plan.upstream_stage, plan.upstream_fingerprint
     # Train shards first, then the (small) held-out split the trainer evaluates on.
@@ -94,29 +95,37 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
     names = {split: [shard_name(i, split) for s, i in jobs if s == split] for split in SPLITS}
     digests = {(split, i): reuse.records_digest(pieces[split][i]) for split, i in jobs}
     done = out.completed_shards()
-    for name in set(done) - {shard_name(i, split) for split, i in jobs}:
-        out.drop_shard(name)  # a killed attempt planned with other pieces: never commit it
     # A shard counts as done only when it was computed from this plan's records.
     pending = [(split, i) for split, i in jobs
                if shard_name(i, split) not in done
                or done[shard_name(i, split)].meta.get("input_digest") != digests[(split, i)]]
     key = reuse.reuse_key(STAGE, plan.settings)
-    earlier = reuse.earlier_outputs(store, STAGE, key, out.fingerprint)
-    found = reuse.dump_index(earlier)
-    linked = [j for j in pending if digests[j] in found]
-    for split, i in linked:
-        out.link_shard(shard_name(i, split), *found[digests[(split, i)]])
-    pending = [j for j in pending if digests[j] not in found]
-    records = {j: pieces[j[0]][j[1]] for j in pending}
-    del pieces
-    if pending:
-        log.info("dump %s: %d of %d shards to compute on %s", out.uri, len(pending), len(jobs),
-                 ", ".join(map(str, plan.devices[:len(pending)])))
-        run_workers(plan, out, pending, records, progress, len(jobs) - len(pending), len(jobs))
-    return Built(lambda shards: {**summarize_shards(plan, [shards[n] for n in names["train"]],
-                                                    [shards[n] for n in names["eval"]]),
-                                 "reuse": reuse.dump_reuse_meta(earlier, shards.values())},
-                 expect=[shard_name(i, split) for split, i in jobs], after_commit=lambda: reuse.register(out, key))
+    earlier = reuse.earlier_outputs(store, STAGE, key, out.fingerprint) if owner else []
+    if owner:
+        for name in set(done) - {shard_name(i, split) for split, i in jobs}:
+            out.drop_shard(name)  # a killed attempt planned with other pieces: never commit it
+        found = reuse.dump_index(earlier)
+        for split, i in [j for j in pending if digests[j] in found]:
+            out.link_shard(shard_name(i, split), *found[digests[(split, i)]])
+        pending = [j for j in pending if digests[j] not in found]
+    by_name = {shard_name(i, split): (split, i) for split, i in jobs}
+
+    def compute(wanted) -> dict:
+        mine = [by_name[n] for n in wanted]
+        log.info("dump %s: %d of %d shards to compute on %s", out.uri, len(mine), len(jobs),
+                 ", ".join(map(str, plan.devices[:len(mine)])))
+        run_workers(plan, out, mine, {j: pieces[j[0]][j[1]] for j in mine}, progress, len(jobs) - len(mine),
+                    len(jobs))
+        return {}
+
+    def finish(figures: dict) -> Built:
+        return Built(lambda shards: {**summarize_shards(plan, [shards[n] for n in names["train"]],
+                                                        [shards[n] for n in names["eval"]]),
+                                     "reuse": reuse.dump_reuse_meta(earlier, shards.values()), **figures},
+                     expect=[shard_name(i, split) for split, i in jobs], after_commit=lambda: reuse.register(out, key))
+
+    return Work(units=[shard_name(i, split) for split, i in jobs], inputs=[digests[j] for j in jobs],
+                pending=[shard_name(i, split) for split, i in pending], compute=compute, finish=finish)
 
 
 class EmptyUpstream(DrafterError, ValueError):

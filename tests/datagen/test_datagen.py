@@ -65,7 +65,10 @@ def test_multi_turn_resends_new_answers_and_rerun_contacts_no_server(tmp_path, a
     assert r0["source_id"] == "c000" and r0["finish_reasons"] == ["stop"] * 3
     assert r0["messages"][-1] == {"role": "assistant", "content": "[3] re: question 0.2"}
     assert r0["usage"] == {"prompt_tokens": 2 + 4 + 6, "completion_tokens": 12}
-    assert r0["gen"] == {"model": "fake-model", "temperature": 0.5, "max_tokens": 16, "server": fake.url}
+    # the record never names its server (the same answers are the same bytes); the marker counts them
+    assert r0["gen"] == {"model": "fake-model", "temperature": 0.5, "max_tokens": 16}
+    assert [result.manifest.shard(n).meta["servers"] for n in ("gen-00000.jsonl", "gen-00001.jsonl")] == [
+        {fake.url: 2}, {fake.url: 1}]
     assert [s.name for s in result.manifest.shards] == ["conversation-keys.jsonl", "gen-00000.jsonl", "gen-00001.jsonl"]
     meta = result.manifest.meta
     assert (meta["conversations"], meta["generated"], meta["errors"], meta["turns"]) == (3, 3, 0, 6)
@@ -89,7 +92,7 @@ def test_round_robin_with_bounded_in_flight(tmp_path, fakes):
     assert len(a.received) + len(b.received) == 24
     assert abs(len(a.received) - len(b.received)) <= 4
     assert 1 < a.max_in_flight <= 3 and 1 < b.max_in_flight <= 3
-    servers = Counter(r["gen"]["server"] for r in iter_generations(store, result.manifest))
+    servers = sum((Counter(s.meta["servers"]) for s in result.manifest.shards if s.name.startswith("gen-")), Counter())
     assert servers == {a.url: len(a.received), b.url: len(b.received)}
     assert [r["id"] for r in iter_generations(store, result.manifest)] == [f"c{i:03d}" for i in range(24)]
 
@@ -421,7 +424,8 @@ def test_reference_engine_on_tiny_target(tmp_path, tiny_target):
     assert all(0 < r["usage"]["completion_tokens"] <= 6 * len(r["finish_reasons"]) for r in records)
     assert [m["role"] for m in records[0]["messages"]] == ["user", "assistant", "user", "assistant"]
     assert not any("OLD" in m["content"] for r in records for m in r["messages"])
-    assert records[0]["gen"]["model"] == "tiny" and records[0]["gen"]["server"] == f"http://127.0.0.1:{port}"
+    assert records[0]["gen"]["model"] == "tiny" and "server" not in records[0]["gen"]
+    assert result.manifest.shard("gen-00000.jsonl").meta["servers"] == {f"http://127.0.0.1:{port}": 2}
     # the engine's own ids are kept with each answer, and they are what its text was decoded from
     from transformers import AutoTokenizer
 
