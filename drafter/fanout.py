@@ -226,6 +226,7 @@ def run_ranges(job: FanOut, launcher: Launcher, store: ObjectStore, *, attempts:
                 if r.state.kind == "running":
                     _watch_lease(r, job, launcher, store, lease_timeout_s)
                 if r.state.kind == "lost":
+                    _drop_lease(store, lease_key(job.stage, job.fingerprint, r.part, r.attempt))
                     _relaunch_or_fail(r, launcher, attempts)
             line = status_line(job, ranges)
             if line != last_line and on_status is not None:
@@ -257,6 +258,14 @@ def _watch_lease(r: _Range, job: FanOut, launcher: Launcher, store: ObjectStore,
         why = f"no lease beat for {now - r.beat_seen:.0f} s (its worker or machine is gone)"
         launcher.mark_lost(r.handle, why)
         r.state = ChildState("lost", why)
+
+
+def _drop_lease(store: ObjectStore, key: str) -> None:
+    """A lost child cannot remove its own lease: the parent does (a lease left only costs its bytes)."""
+    try:
+        store.delete(key)
+    except StoreError as err:
+        log.warning("fan-out: could not remove lease %s: %s", key, err)
 
 
 def _relaunch_or_fail(r: _Range, launcher: Launcher, attempts: int) -> None:

@@ -6,6 +6,7 @@ and turns SIGTERM/SIGINT into a cancellation of that group, which lets the worke
 """
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -16,7 +17,9 @@ from prefect.workers.process import ProcessWorker
 
 async def main(pool: str, name: str | None) -> None:
     # a distinct name per worker: the pool's page lists each of them
-    worker = ProcessWorker(work_pool_name=pool, name=f"{name}-{socket.gethostname()}" if name else None)
+    # DRAFTER_WORKER_LIMIT: flow runs this worker runs at once (a GPU node: its ranges one at a time)
+    limit = int(os.environ["DRAFTER_WORKER_LIMIT"]) if os.environ.get("DRAFTER_WORKER_LIMIT") else None
+    worker = ProcessWorker(work_pool_name=pool, name=f"{name}-{socket.gethostname()}" if name else None, limit=limit)
     async with anyio.create_task_group() as group:
         group.start_soon(worker.start)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
