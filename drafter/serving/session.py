@@ -61,9 +61,11 @@ class Terminated(KeyboardInterrupt):
 
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Prefect cancels by SIGTERM, whose default action skips `finally`: turn it into a
-    KeyboardInterrupt so the server is torn down. Only possible in the main thread."""
-    if threading.current_thread() is not threading.main_thread():
+    """SIGTERM's default action skips `finally`: turn it into a KeyboardInterrupt so the server is
+    torn down. Only the default is replaced: a handler already installed raises its own exception,
+    which unwinds as well, and must keep its meaning (Prefect's engine reads a cancellation from its
+    TerminationSignal: replaced, a cancelled run would end Crashed). Only possible in the main thread."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
 

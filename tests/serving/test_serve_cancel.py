@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import pytest
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -86,3 +88,30 @@ def test_cancellation_hook_reaps_only_its_own_runs_server(tmp_path):
     reap_left_servers(None, SimpleNamespace(id="run-A", parameters=params), None)
     assert wait_gone(info)
     assert not info["path"].exists()
+
+
+def test_sigterm_becomes_an_interrupt_only_where_nothing_else_handles_it():
+    from drafter.serving.session import Terminated, sigterm_as_interrupt
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(Terminated):
+            with sigterm_as_interrupt():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+        class Cancelled(BaseException):  # what Prefect's engine raises: it reads a cancellation from it
+            pass
+
+        def engines_handler(signum, frame):
+            raise Cancelled()
+
+        signal.signal(signal.SIGTERM, engines_handler)
+        with pytest.raises(Cancelled):
+            with sigterm_as_interrupt():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+        assert signal.getsignal(signal.SIGTERM) is engines_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
