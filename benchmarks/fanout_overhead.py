@@ -25,7 +25,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from drafter.demo_target import build_demo_target  # noqa: E402
+from drafter.prepare.sources import load_sharegpt  # noqa: E402
 from tests.fixtures.net import free_port  # noqa: E402
+from tests.fixtures.targets import TINY_CONVERSATIONS, tiny_target_config  # noqa: E402
 
 PREFECT = str(ROOT / ".venv" / "bin" / "prefect")
 
@@ -40,8 +43,8 @@ def main(delay_s: float) -> None:
     env.update(PREFECT_HOME=str(tmp / "prefect"), PREFECT_SERVER_API_PORT=str(free_port()), PREFECT_UI_ENABLED="false",
                DRAFTER_WORKERS="3", DRAFTER_WORKER_LIMIT="2")
     api = f"http://127.0.0.1:{env['PREFECT_SERVER_API_PORT']}/api"
-    (tmp / "target").mkdir()
-    (tmp / "target" / "config.json").write_text('{"model_type": "llama"}')  # datagen only names it
+    # datagen checks the target's files and renders the prompts with its chat template: the tests' tiny target
+    build_demo_target(tiny_target_config(), tmp / "target", conversations=load_sharegpt(TINY_CONVERSATIONS))
     corpus = tmp / "prompts.jsonl"
     corpus.write_text("".join(json.dumps({"id": f"p{i:02d}", "messages": [
         {"role": "user", "content": f"Tell me about item {i}."}]}) + "\n" for i in range(18)))
@@ -50,6 +53,7 @@ def main(delay_s: float) -> None:
         "target": {"path": str(tmp / "target"), "name": "bench"},
         "data": {"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.0},
         "datagen": {"max_tokens": 8, "shard_size": 2, "concurrency_per_server": 1, "workers": 3},
+        "dump": {"aux_layer_ids": [0, 1, 2]},  # not run here; a 4-layer target has no default
         "serve": {"engine": "command", "port": free_port(), "log_dir": str(tmp / "logs"),
                   "command": [sys.executable, str(ROOT / "tests/fixtures/chat_server.py"), "--port", "{port}",
                               "--served-model-name", "{served_model_name}", "--delay-s", str(delay_s)]},
@@ -60,7 +64,11 @@ def main(delay_s: float) -> None:
     try:
         out = subprocess.run([PREFECT, "deployment", "run", "drafter-lifecycle/stage", "--param", f"profile={profile}",
                               "--param", 'stages=["prepare", "datagen"]', "--watch"],
-                             env={**env, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=600).stdout
+                             env={**env, "PREFECT_API_URL": api, "PREFECT_CLI_WRAP_LINES": "false"},
+                             capture_output=True, text=True, timeout=600)
+        if out.returncode:
+            sys.exit(f"the fanned-out run did not complete:\n{out.stdout[-3000:]}{out.stderr[-2000:]}")
+        out = out.stdout
         parent = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
         kids = httpx.post(f"{api}/flow_runs/filter", json={"flow_runs": {"tags": {
             "all_": [f"drafter-fanout-of:{parent}"]}}}).json()
