@@ -4,6 +4,10 @@ answering one request at a time with a fixed latency (tests/fixtures/chat_server
 wall time is known: 3 shards x 2 requests x DELAY per child, in parallel.
 
     .venv/bin/python benchmarks/fanout_overhead.py [DELAY_S]    # default 1.0
+    .venv/bin/python benchmarks/fanout_overhead.py 1.0 --with-dump --keep-server   # the README's graph
+
+`--with-dump` fans the dump out as well (3 children), `--keep-server` leaves the server (with its UI)
+running and prints the run's page and the command that stops it.
 
 Prints the parent's fan-out wall time against the ideal, and per child: the wait from its creation
 to its start (scheduling: worker poll, process start) and its run time beyond the ideal (flow-run
@@ -11,6 +15,7 @@ process imports, server start and gate, store writes).
 """
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
@@ -37,10 +42,10 @@ def when(s: str) -> dt.datetime:
     return dt.datetime.fromisoformat(s.replace("Z", "+00:00"))
 
 
-def main(delay_s: float) -> None:
+def main(delay_s: float, with_dump: bool = False, keep_server: bool = False) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="fanout-bench-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp / "prefect"), PREFECT_SERVER_API_PORT=str(free_port()), PREFECT_UI_ENABLED="false",
+    env.update(PREFECT_HOME=str(tmp / "prefect"), PREFECT_SERVER_API_PORT=str(free_port()), PREFECT_UI_ENABLED="true" if keep_server else "false",
                DRAFTER_WORKERS="3", DRAFTER_WORKER_LIMIT="2")
     api = f"http://127.0.0.1:{env['PREFECT_SERVER_API_PORT']}/api"
     # datagen checks the target's files and renders the prompts with its chat template: the tests' tiny target
@@ -53,7 +58,8 @@ def main(delay_s: float) -> None:
         "target": {"path": str(tmp / "target"), "name": "bench"},
         "data": {"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.0},
         "datagen": {"max_tokens": 8, "shard_size": 2, "concurrency_per_server": 1, "workers": 3},
-        "dump": {"aux_layer_ids": [0, 1, 2]},  # not run here; a 4-layer target has no default
+        "dump": {"aux_layer_ids": [0, 1, 2], "max_length": 64, "samples_per_shard": 3, "devices": ["cpu"],
+                 "workers": 3},
         "serve": {"engine": "command", "port": free_port(), "log_dir": str(tmp / "logs"),
                   "command": [sys.executable, str(ROOT / "tests/fixtures/chat_server.py"), "--port", "{port}",
                               "--served-model-name", "{served_model_name}", "--delay-s", str(delay_s)]},
@@ -61,9 +67,10 @@ def main(delay_s: float) -> None:
     up = subprocess.run([str(ROOT / "infra/prefect-up.sh")], env=env, capture_output=True, text=True, timeout=300)
     if up.returncode:
         sys.exit(f"infra/prefect-up.sh failed: {up.stdout}{up.stderr}")
+    parent = None
     try:
         out = subprocess.run([PREFECT, "deployment", "run", "drafter-lifecycle/stage", "--param", f"profile={profile}",
-                              "--param", 'stages=["prepare", "datagen"]', "--watch"],
+                              "--param", "stages=" + json.dumps(["prepare", "datagen"] + (["dump"] if with_dump else [])), "--watch"],
                              env={**env, "PREFECT_API_URL": api, "PREFECT_CLI_WRAP_LINES": "false"},
                              capture_output=True, text=True, timeout=600)
         if out.returncode:
@@ -71,7 +78,7 @@ def main(delay_s: float) -> None:
         out = out.stdout
         parent = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
         kids = httpx.post(f"{api}/flow_runs/filter", json={"flow_runs": {"tags": {
-            "all_": [f"drafter-fanout-of:{parent}"]}}}).json()
+            "all_": [f"drafter-fanout-of:{parent}", "drafter-stage:datagen"]}}}).json()
         [manifest] = (tmp / "store" / "datagen").glob("*/_SUCCESS.json")
         fan = json.loads(manifest.read_text())["meta"]["throughput"]["fan_out"]
         ideal = 3 * 2 * delay_s
@@ -83,8 +90,18 @@ def main(delay_s: float) -> None:
             print(f"  {k['name']}: {k['state_type']}, waited {wait:.1f} s to start, ran {run:.1f} s "
                   f"(ideal + {run - ideal:.1f} s)")
     finally:
-        subprocess.run([str(ROOT / "infra/prefect-down.sh")], env=env, capture_output=True, timeout=180)
+        if keep_server:
+            if parent:
+                print(f"the run: http://127.0.0.1:{env['PREFECT_SERVER_API_PORT']}/runs/flow-run/{parent}")
+            print(f"stop the server: PREFECT_HOME={env['PREFECT_HOME']} infra/prefect-down.sh")
+        else:
+            subprocess.run([str(ROOT / "infra/prefect-down.sh")], env=env, capture_output=True, timeout=180)
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]) if len(sys.argv) > 1 else 1.0)
+    args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args.add_argument("delay_s", nargs="?", type=float, default=1.0, help="seconds per request (default 1.0)")
+    args.add_argument("--with-dump", action="store_true", help="fan the dump out as well")
+    args.add_argument("--keep-server", action="store_true", help="leave the server and its UI running")
+    a = args.parse_args()
+    main(a.delay_s, a.with_dump, a.keep_server)

@@ -71,6 +71,15 @@ def _failure(stage: Optional[Stage], name: str, state: Optional[State], error: O
     return StageFailure(name, verb, reason, where)
 
 
+def graph_edge(subflow_state: State) -> State:
+    """What makes the UI's run graph draw upstream stage -> stage. Our stages hand on fingerprints
+    (strings), which Prefect cannot trace, and a subflow's state names no task run. The graph keys
+    a subflow's node by its flow-run id and draws an edge from any input naming that id: the
+    state, naming its flow run as the run to wait for, gives the edge."""
+    details = subflow_state.state_details
+    return subflow_state.model_copy(update={"state_details": details.model_copy(update={"task_run_id": details.flow_run_id})})
+
+
 def run_stages(table: StageTable, subflows: dict[str, Flow], cfg: LifecycleConfig,
                stages) -> Union[dict[str, dict], State]:
     """The target, then the selected stages in lifecycle order, each as its subflow; one summary.
@@ -84,11 +93,13 @@ def run_stages(table: StageTable, subflows: dict[str, Flow], cfg: LifecycleConfi
     else:
         failure = _failure(None, "target", target, None)
     fps = table.fingerprints(cfg)
+    ran: dict[str, State] = {}
     for stage in ordered:
         if failure is not None:
             break
         try:
-            state = subflows[stage.name](cfg, fps.upstream(stage.name), return_state=True)
+            after = [graph_edge(ran[name]) for name in table.upstream_names(stage.name, cfg) if name in ran]
+            state = subflows[stage.name](cfg, fps.upstream(stage.name), return_state=True, wait_for=after)
         except Exception as err:  # its upstream fingerprints could not be computed: it never started
             failure = _failure(stage, stage.name, None, err)
             break
@@ -96,6 +107,7 @@ def run_stages(table: StageTable, subflows: dict[str, Flow], cfg: LifecycleConfi
             failure = _failure(stage, stage.name, state, None)
             break
         results[stage.name] = state.result()
+        ran[stage.name] = state
         fps.record(results[stage.name])
     _summarise(ordered, results, failure)
     if failure is None:

@@ -114,6 +114,11 @@ def digests(root: str, stage: str) -> dict[str, str]:
     return {s.name: hashlib.sha256(out.read_shard(s.name)).hexdigest() for s in out.manifest.shards}
 
 
+def graph(env, run_id: str) -> list[dict]:
+    """The nodes of a flow run's graph, as the UI's run graph draws them."""
+    return [node for _, node in api(env, f"/flow_runs/{run_id}/graph-v2")["nodes"]]
+
+
 def load_config_root(root: str):
     from drafter.config import StorageConfig
 
@@ -246,6 +251,17 @@ def test_fanned_out_stages_survive_a_killed_worker_and_equal_one_worker(pool, ti
                 if t["name"].startswith("datagen-")]
     assert "datagen: 3 of 3 ranges done, 0 failed (3 launched here)" in messages, messages
     assert not leases(store_dir, "datagen") and not leases(store_dir, "dump")
+    # the UI's run graph: the chain prepare -> datagen -> dump, each stage's children drawn inside its
+    # subflow, under its task, named by their range
+    stages = {n["label"].split(" / ")[0]: n for n in graph(pool, parent) if n["kind"] == "flow-run"}
+    assert {p["id"] for p in stages["datagen"]["parents"]} >= {stages["prepare"]["id"]}, stages
+    assert {p["id"] for p in stages["dump"]["parents"]} >= {stages["datagen"]["id"]}, stages
+    for stage in ("datagen", "dump"):
+        inner = graph(pool, stages[stage]["id"])
+        [task_node] = [n for n in inner if n["kind"] == "task-run"]
+        drawn = sorted(n["label"].split(" / ")[1].replace(" (attempt 2)", "") for n in inner
+                       if n["kind"] == "flow-run" and [e["id"] for e in n["encapsulating"]] == [task_node["id"]])
+        assert set(drawn) == {f"{stage} shards 0-2", f"{stage} shards 3-5", f"{stage} shards 6-8"}, inner
     # the killed worker is started again for the next tests (same name, same pool)
     restart = subprocess.run([str(ROOT / "infra" / "prefect-up.sh")], env={**pool, "DRAFTER_WORKERS": "3"},
                              capture_output=True, text=True, timeout=300)
