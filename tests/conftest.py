@@ -50,8 +50,9 @@ SLOW_MODULES = {
     # Real engines in their own venvs (DRAFTER_VLLM_PYTHON / DRAFTER_SGLANG_PYTHON).
     "test_vllm_capture", "test_vllm_engine", "test_vllm_judge",
     "test_sglang_export", "test_sglang_rules", "test_sglang_server",
-    # Prefect end to end, and the serve task's retries through its own Prefect test server.
-    "test_e2e_prefect", "test_serve_task",
+    # Prefect end to end (the fan-out over 3 process workers), the serve task's retries through its
+    # own Prefect test server, the Kubernetes pool template against a real Prefect server.
+    "test_e2e_prefect", "test_serve_task", "test_fanout_prefect", "test_k8s_pool",
     # Real server processes on loopback: launch, stall watchdog, teardown, reaping; bench sweeps.
     "test_launcher", "test_server_lifecycle", "test_bench_sweep", "test_bench_hardening",
     # Real multi-process training (torchrun, gloo): DDP/FSDP parity, kill -9 / SIGTERM of `drafter train`.
