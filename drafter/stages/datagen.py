@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.datagen.generate import RetokenizeCheck, generate, run_sync, with_servers, write_shard_files
