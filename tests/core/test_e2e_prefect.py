@@ -6,13 +6,13 @@ A second run must find every stage complete and skip its work.
 """
 import json
 import re
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.fixtures.local_prefect import local_prefect
 from tests.fixtures.net import free_port
 from drafter.stages import TABLE
 
@@ -24,22 +24,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def prefect_env(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-home")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_API_PORT=str(free_port()),
-               PREFECT_UI_ENABLED="false", DRAFTER_E2E_SECRET=PLANTED)
-    up = subprocess.run([str(ROOT / "infra" / "prefect-up.sh")], env=env, capture_output=True,
-                        text=True, timeout=240)
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        env["PREFECT_API_URL"] = f"http://127.0.0.1:{env['PREFECT_SERVER_API_PORT']}/api"
+    with local_prefect(tmp_path_factory.mktemp("prefect-home"), DRAFTER_E2E_SECRET=PLANTED) as env:
         yield env
-    finally:
-        down = subprocess.run([str(ROOT / "infra" / "prefect-down.sh")], env=env, capture_output=True,
-                              text=True, timeout=120)
-        assert down.returncode == 0, down.stdout + down.stderr
-        for name in ("server", "worker"):
-            assert not (home / "run" / f"{name}.pid").exists()
 
 
 def run_deployment(env, profile: Path) -> str:

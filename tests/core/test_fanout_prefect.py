@@ -29,6 +29,7 @@ from drafter.config import load_config
 from drafter.stage_output import StageOutput
 from drafter.stages import TABLE
 from drafter.store import open_store
+from tests.fixtures.local_prefect import local_prefect
 from tests.fixtures.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,20 +42,8 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     """A Prefect server and 3 process workers on one pool, the deployments registered."""
-    home = tmp_path_factory.mktemp("prefect-fanout")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_API_PORT=str(free_port()), PREFECT_UI_ENABLED="false",
-               DRAFTER_WORKERS="3", DRAFTER_WORKER_LIMIT="2")
-    up = subprocess.run([str(ROOT / "infra" / "prefect-up.sh")], env=env, capture_output=True, text=True, timeout=300)
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        env["PREFECT_API_URL"] = f"http://127.0.0.1:{env['PREFECT_SERVER_API_PORT']}/api"
+    with local_prefect(tmp_path_factory.mktemp("prefect-fanout"), DRAFTER_WORKERS="3", DRAFTER_WORKER_LIMIT="2") as env:
         yield env
-    finally:
-        down = subprocess.run([str(ROOT / "infra" / "prefect-down.sh")], env=env, capture_output=True, text=True,
-                              timeout=180)
-        assert down.returncode == 0, down.stdout + down.stderr
-        assert not list((home / "run").glob("worker*.pid"))
 
 
 def profile(tmp_path: Path, target: Path, store: str, *, workers: int, delay_s: float, base_port: int,
