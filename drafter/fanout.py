@@ -182,8 +182,9 @@ def read_lease(store: ObjectStore, key: str) -> dict | None:
 
 @dataclass(frozen=True)
 class ChildState:
-    """A child run as its launcher sees it. kind: waiting (scheduled, pending), running, done,
-    failed (after its own retries), lost (crashed: its process or machine is gone), cancelled."""
+    """A child run as its launcher sees it. kind: waiting (queued for a worker), starting (a worker
+    took it: its process or pod is coming up), running, done, failed (after its own retries), lost
+    (crashed: its process or machine is gone), cancelled."""
 
     kind: str
     message: str = ""
@@ -204,14 +205,21 @@ class _Range:
     state: ChildState = field(default_factory=lambda: ChildState("waiting"))
     beat: Any = None            # the last lease content seen
     beat_seen: float | None = None  # when (parent's monotonic clock) it last changed, while running
+    kind_since: float | None = None  # when the child entered its present kind
     history: list[str] = field(default_factory=list)
 
 
 def run_ranges(job: FanOut, launcher: Launcher, store: ObjectStore, *, attempts: int, lease_timeout_s: float,
-               poll_s: float = 1.0, on_status: Callable[[str], None] | None = None) -> dict:
+               start_timeout_s: float = 900.0, poll_s: float = 1.0,
+               on_status: Callable[[str], None] | None = None) -> dict:
     """Launch every range of `job`, relaunch lost ones, wait for all; raise RangesFailed naming the
     failed ones. Returns the fan-out's figures (ranges, attempts, wall time). Any error or
-    interruption here cancels the children still running."""
+    interruption here cancels the children still running.
+
+    A child is lost when it crashed, when it runs without moving its lease for `lease_timeout_s`, or
+    when a worker took it but it has not started after `start_timeout_s` (the worker died between
+    the two, or its pod never came up). A child queued for a worker is never lost: the pool is busy
+    or has no worker, and the status line says how many wait."""
     started = time.monotonic()
     ranges = [_Range(p) for p in job.ranges]
     for r in ranges:
@@ -222,9 +230,16 @@ def run_ranges(job: FanOut, launcher: Launcher, store: ObjectStore, *, attempts:
             for r in ranges:
                 if r.state.kind in ("done", "failed", "cancelled"):
                     continue
-                r.state = launcher.state(r.handle)
+                previous, r.state = r.state.kind, launcher.state(r.handle)
+                if r.kind_since is None or r.state.kind != previous:
+                    r.kind_since = time.monotonic()
                 if r.state.kind == "running":
                     _watch_lease(r, job, launcher, store, lease_timeout_s)
+                if r.state.kind == "starting" and time.monotonic() - r.kind_since > start_timeout_s:
+                    why = (f"taken by a worker but not started after {time.monotonic() - r.kind_since:.0f} s "
+                           "(its worker died, or its infrastructure never came up)")
+                    launcher.mark_lost(r.handle, why)
+                    r.state = ChildState("lost", why)
                 if r.state.kind == "lost":
                     _drop_lease(store, lease_key(job.stage, job.fingerprint, r.part, r.attempt))
                     _relaunch_or_fail(r, launcher, attempts)
@@ -275,7 +290,7 @@ def _relaunch_or_fail(r: _Range, launcher: Launcher, attempts: int) -> None:
         return
     r.attempt += 1
     log.warning("fan-out: %s %s", r.part.label, r.history[-1] + f"; launching attempt {r.attempt}")
-    r.handle, r.beat, r.beat_seen = launcher.launch(r.part, r.attempt), None, None
+    r.handle, r.beat, r.beat_seen, r.kind_since = launcher.launch(r.part, r.attempt), None, None, None
     r.state = ChildState("waiting")
 
 
@@ -286,5 +301,5 @@ def status_line(job: FanOut, ranges: Sequence[_Range]) -> str:
     done = kinds.count("done") + finished_before
     failed = kinds.count("failed") + kinds.count("cancelled")
     line = f"{job.stage}: {done} of {job.total_ranges} ranges done, {failed} failed"
-    extra = [f"{kinds.count(k)} {k}" for k in ("running", "waiting") if kinds.count(k)]
+    extra = [f"{kinds.count(k)} {k}" for k in ("running", "starting", "waiting") if kinds.count(k)]
     return line + (f" ({', '.join(extra)})" if extra else "")

@@ -28,7 +28,7 @@ from drafter.fanout import ChildState, FanOut, RangeTask, ShardRange, child_conf
 from drafter.store import open_store
 
 TAG = "drafter-fanout-of:"
-KIND = {StateType.SCHEDULED: "waiting", StateType.PENDING: "waiting", StateType.PAUSED: "waiting",
+KIND = {StateType.SCHEDULED: "waiting", StateType.PENDING: "starting", StateType.PAUSED: "waiting",
         StateType.RUNNING: "running", StateType.COMPLETED: "done", StateType.FAILED: "failed",
         StateType.CRASHED: "lost", StateType.CANCELLED: "cancelled", StateType.CANCELLING: "cancelled"}
 UNFINISHED = [StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED, StateType.RUNNING]
@@ -90,7 +90,8 @@ def fan_out_runner(cfg: LifecycleConfig) -> Callable[[FanOut], dict]:
         s = launcher.settings
         with launcher.client:
             return run_ranges(job, launcher, open_store(cfg.storage), attempts=s.worker_attempts,
-                              lease_timeout_s=s.worker_lease_timeout_s, on_status=launcher.report)
+                              lease_timeout_s=s.worker_lease_timeout_s, start_timeout_s=s.worker_start_timeout_s,
+                              on_status=launcher.report)
 
     return fan_out
 

@@ -64,6 +64,9 @@ class FanOutFields(Strict):
         3, ge=1, description="launches of a range whose child was lost (crashed, or its lease stopped)")
     worker_lease_timeout_s: float = OperationalField(
         120.0, gt=0, description="a running child whose lease has not moved for this long is lost: relaunched")
+    worker_start_timeout_s: float = OperationalField(
+        900.0, gt=0, description="a child a worker took but did not start for this long is lost: relaunched "
+                                 "(room for a pod's image pull; a child still queued for a worker waits)")
 
     @field_validator("worker_deployment")
     @classmethod

@@ -27,11 +27,12 @@ def test_ranges_are_contiguous_near_equal_and_cover_the_plan():
 
 
 class ThreadLauncher:
-    """Each child a thread running `TABLE.run(..., range_task=...)`. `silent` attempts never start
-    and never beat their lease (a machine that died); `failing` ranges raise in the child."""
+    """Each child a thread running `TABLE.run(..., range_task=...)`. `silent` attempts run but never
+    beat their lease (a machine that died); `stuck` attempts stay taken by a worker and never start
+    (the worker died before starting them); `failing` ranges raise in the child."""
 
-    def __init__(self, cfg, store, silent=(), failing=()):
-        self.cfg, self.store, self.silent, self.failing = cfg, store, set(silent), set(failing)
+    def __init__(self, cfg, store, silent=(), stuck=(), failing=()):
+        self.cfg, self.store, self.silent, self.stuck, self.failing = cfg, store, set(silent), set(stuck), set(failing)
         self.job = None
         self.launched, self.lost, self.cancelled = [], [], []
 
@@ -39,6 +40,9 @@ class ThreadLauncher:
         self.launched.append((part.label, attempt))
         child = {"state": ChildState("running"), "key": (part.index, attempt)}
         if (part.index, attempt) in self.silent:
+            return child
+        if (part.index, attempt) in self.stuck:
+            child["state"] = ChildState("starting")
             return child
         spec = RangeTask(part, self.job.fingerprint, self.job.plan, attempt, lease_interval_s=0.05)
 
@@ -65,9 +69,10 @@ class ThreadLauncher:
     def cancel(self, children):
         self.cancelled += [c["key"] for c in children]
 
-    def fan_out(self, job, lease_timeout_s=2.0):
+    def fan_out(self, job, lease_timeout_s=2.0, start_timeout_s=60.0):
         self.job = job
-        return run_ranges(job, self, self.store, attempts=2, lease_timeout_s=lease_timeout_s, poll_s=0.02)
+        return run_ranges(job, self, self.store, attempts=2, lease_timeout_s=lease_timeout_s,
+                          start_timeout_s=start_timeout_s, poll_s=0.02)
 
 
 def shard_digests(store, stage, manifest):
@@ -107,6 +112,47 @@ def test_dump_relaunches_a_lost_child_and_equals_one_worker(tmp_path, tiny_targe
     assert [key for key, _ in launcher.lost] == [(1, 1)] and "no lease beat" in launcher.lost[0][1]
     assert result.manifest.meta["fan_out"]["relaunched"][0].startswith("shard 2: attempt 1 lost")
     assert digests[1] == digests[3] and len(digests[3]) == 4
+
+
+def test_a_child_taken_but_never_started_is_relaunched(tmp_path, fakes):
+    fake = fakes()
+    cfg = with_datagen(make_cfg(tmp_path, _storage(tmp_path), [sharegpt(i) for i in range(6)], shard_size=2),
+                       workers=3, server_urls=[fake.url])
+    store = open_store(cfg.storage)
+    launcher = ThreadLauncher(cfg, store, stuck={(0, 1)})  # range 0's worker took it, then died
+    result = TABLE.run("datagen", cfg, store, upstream={"prepare": prepared(cfg, store)},
+                       fan_out=lambda job: launcher.fan_out(job, start_timeout_s=0.5))
+    assert sorted(launcher.launched) == [("shard 0", 1), ("shard 0", 2), ("shard 1", 1), ("shard 2", 1)]
+    assert [key for key, _ in launcher.lost] == [(0, 1)] and "not started after" in launcher.lost[0][1]
+    assert result.manifest.meta["generated"] == 6
+
+
+def test_a_child_queued_for_a_worker_is_never_lost(tmp_path):
+    """Queued (no worker free, or none on the pool) is the pool's business: the status line says so."""
+    from drafter.fanout import FanOut
+
+    class Queued:
+        polls, lost = 0, []
+
+        def launch(self, part, attempt):
+            return attempt
+
+        def state(self, handle):
+            self.polls += 1
+            return ChildState("waiting") if self.polls < 30 else ChildState("done")
+
+        def mark_lost(self, handle, why):
+            self.lost.append(why)
+
+        def cancel(self, handles):
+            pass
+
+    launcher, lines = Queued(), []
+    job = FanOut("datagen", "fp", {}, "plan", split_ranges(["s0", "s1"], 1), 1)
+    figures = run_ranges(job, launcher, open_store(_storage(tmp_path)), attempts=2, lease_timeout_s=0.01,
+                         start_timeout_s=0.01, poll_s=0.01, on_status=lines.append)
+    assert launcher.lost == [] and figures["attempts"] == 1
+    assert lines == ["datagen: 0 of 1 ranges done, 0 failed (1 waiting)", "datagen: 1 of 1 ranges done, 0 failed"]
 
 
 def test_a_failed_range_fails_the_stage_naming_it_and_a_rerun_launches_only_it(tmp_path, fakes):
