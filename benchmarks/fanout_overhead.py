@@ -80,7 +80,7 @@ def main(delay_s: float, with_dump: bool = False, keep_server: bool = False) -> 
         kids = httpx.post(f"{api}/flow_runs/filter", json={"flow_runs": {"tags": {
             "all_": [f"drafter-fanout-of:{parent}", "drafter-stage:datagen"]}}}).json()
         [manifest] = (tmp / "store" / "datagen").glob("*/_SUCCESS.json")
-        fan = json.loads(manifest.read_text())["meta"]["throughput"]["fan_out"]
+        fan = json.loads(manifest.read_text())["meta"]["fan_out"]
         ideal = 3 * 2 * delay_s
         print(f"delay {delay_s} s/request, 3 children x 3 shards x 2 requests: ideal {ideal:.1f} s")
         print(f"parent fan-out wall {fan['wall_s']:.1f} s = ideal + {fan['wall_s'] - ideal:.1f} s")

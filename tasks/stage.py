@@ -49,7 +49,7 @@ def stage_task(stage: Stage, table: StageTable) -> Task:
         if result.skipped:  # a skipped gate published its verdict in the run that decided
             return Completed(message=skipped_message(result.uri), data=result.to_dict())
         verdict(result)
-        fanned = (result.meta.get("throughput") or result.meta).get("fan_out")
+        fanned = result.meta.get("fan_out")
         if fanned:  # the stage's state message keeps the ranges' count
             return Completed(message=f"{stage.name}: {fanned['ranges']} of {fanned['ranges']} ranges done, 0 failed "
                                      f"({fanned['launched']} launched here)", data=result.to_dict())

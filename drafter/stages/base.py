@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
@@ -133,23 +133,28 @@ def _build_planned(name: str, code: ModuleType, inputs, out: StageOutput, ctx: S
     """Compute the pending shards here, or fan them out in ranges; then what to commit."""
     work = code.plan(inputs, out, owner=True)
     workers = getattr(ctx.cfg, name).workers
-    figures: dict = {}
     if work.pending and workers > 1 and ctx.fan_out is not None:
         ranges = split_ranges(work.units, workers)
         pending = set(work.pending)
         todo = [r for r in ranges if pending & set(work.units[r.start:r.stop])]
-        figures = {"fan_out": ctx.fan_out(FanOut(name, out.fingerprint, dict(ctx.upstream), work.digest, todo,
-                                                 len(ranges)))}
+        fanned = ctx.fan_out(FanOut(name, out.fingerprint, dict(ctx.upstream), work.digest, todo, len(ranges)))
         left = work.unverified(out)  # what the children wrote, as the store's markers say
         if left:
             raise RangesIncomplete(f"{name}: the children reported done but {len(left)} shards have no "
                                    f"verified marker (first: {left[0]}); nothing committed")
-    elif work.pending:
-        if workers > 1:
-            log.info("%s: %s.workers = %d fans out only in the Prefect flow; computing all %d pending shards here",
-                     name, name, workers, len(work.pending))
-        figures = work.compute(work.pending)
-    return work.finish(figures)
+        built = work.finish({})  # this run computed nothing itself
+        return replace(built, meta=_with_fan_out(built.meta, fanned))
+    if work.pending and workers > 1:
+        log.info("%s: %s.workers = %d fans out only in the Prefect flow; computing all %d pending shards here",
+                 name, name, workers, len(work.pending))
+    return work.finish(work.compute(work.pending) if work.pending else {})
+
+
+def _with_fan_out(meta: dict | Callable[[dict], dict], fanned: dict) -> dict | Callable[[dict], dict]:
+    """The fan-out's figures (ranges, attempts, wall time) in the manifest meta, under `fan_out`."""
+    if callable(meta):
+        return lambda shards: {**meta(shards), "fan_out": fanned}
+    return {**meta, "fan_out": fanned}
 
 
 def run_range(name: str, code: ModuleType, ctx: StageContext, task: RangeTask) -> StageResult:

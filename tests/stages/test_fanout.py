@@ -95,7 +95,7 @@ def test_datagen_fanned_out_is_byte_identical_to_one_worker(tmp_path, fakes):
     assert one.fingerprint == three.fingerprint  # workers is operational: the same output
     assert sorted(launcher.launched) == [("shards 0-2", 1), ("shards 3-4", 1), ("shards 5-6", 1)]
     assert shard_digests(store1, "datagen", one.manifest) == shard_digests(store3, "datagen", three.manifest)
-    assert three.manifest.meta["throughput"]["fan_out"]["ranges"] == 3
+    assert three.manifest.meta["fan_out"]["ranges"] == 3
     assert not store3.list("_fanout/")  # each child removed its lease
 
 
