@@ -121,10 +121,11 @@ class RangesFailed(DrafterError):
 
 
 def child_config(cfg, part: ShardRange):
-    """A child's configuration: the parent's, its servers on port `serve.port + range index`, so
-    the children's own servers (datagen without `server_urls`) never collide on one host (on
-    separate machines the offset is harmless; no fingerprint reads the port)."""
-    return cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"port": cfg.serve.port + part.index})})
+    """A child's configuration: the parent's, its servers on port `serve.port + range index`
+    (`serve.health_url` with them), so the children's own servers (datagen without `server_urls`)
+    never collide on one host (on separate machines the offset is harmless; no fingerprint reads
+    the port)."""
+    return cfg.model_copy(update={"serve": cfg.serve.on_port(cfg.serve.port + part.index)})
 
 
 # ------------------------------------------------------------------------------------- leases

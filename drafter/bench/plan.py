@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from drafter.config import LifecycleConfig, SpeculativeConfig
 from drafter.serving.engines import speculative_flags, make_engine
@@ -168,15 +167,6 @@ def plan_sweep(cfg: LifecycleConfig, drafters: Mapping[str, str]) -> SweepPlan:
                      rounds=cfg.bench.repeats, interleave=resolve_interleave(cfg), skipped=skipped)
 
 
-def _with_port(url: str, old: int, new: int) -> str:
-    parts = urlsplit(url)
-    if parts.port != old:
-        return url
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    return urlunsplit(parts._replace(netloc=f"{host}:{new}"))
-
-
 def server_config(cfg: LifecycleConfig, server: ServerPlan, port: int | None = None) -> LifecycleConfig:
     """The configuration one server of the sweep is launched with: `serve.speculative` and
     `serve.draft_path` set for a speculative server (cleared for the baseline), on `port`.
@@ -184,13 +174,9 @@ def server_config(cfg: LifecycleConfig, server: ServerPlan, port: int | None = N
     Engine `command` has no placeholder for the speculative settings: SGLang's speculative flags
     (`--speculative-algorithm ... --speculative-num-steps ...`, as the reference engine takes them)
     are appended to `serve.command`, so the command must accept them."""
-    s = cfg.serve
+    s = cfg.serve if port is None else cfg.serve.on_port(port)
     draft_path = None if server.is_baseline else server.draft_path
     update: dict = {"speculative": server.speculative, "draft_path": draft_path}
-    if port is not None and port != s.port:
-        update["port"] = port
-        if s.health_url:
-            update["health_url"] = _with_port(s.health_url, s.port, port)
     if s.engine == "command" and not server.is_baseline:
         update["command"] = list(s.command or []) + speculative_flags(server.speculative, draft_path)
     return cfg.model_copy(update={"serve": s.model_copy(update=update)})

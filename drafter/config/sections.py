@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -339,6 +340,18 @@ class ServeConfig(Strict):
                 if name not in self.secrets:
                     raise ValueError(f"{{secret:{name}}} needs serve.secrets.{name} (a reference)")
         return self
+
+    def on_port(self, port: int) -> "ServeConfig":
+        """The same server on another port (a bench sweep's servers, fan-out children on one host):
+        a `health_url` naming the old port names the new one."""
+        if port == self.port:
+            return self
+        update: dict[str, Any] = {"port": port}
+        if self.health_url and urlsplit(self.health_url).port == self.port:
+            parts = urlsplit(self.health_url)
+            host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else (parts.hostname or "")
+            update["health_url"] = urlunsplit(parts._replace(netloc=f"{host}:{port}"))
+        return self.model_copy(update=update)
 
 
 ExportConfig.model_rebuild()  # export.vllm_judge is a ServeConfig, defined after it

@@ -26,6 +26,19 @@ def test_ranges_are_contiguous_near_equal_and_cover_the_plan():
     assert len(split_ranges(units[:2], 5)) == 2 and split_ranges(units[:1], 3)[0].label == "shard 0"
 
 
+def test_a_childs_own_server_moves_with_its_health_url(tmp_path):
+    cfg = make_cfg(tmp_path, _storage(tmp_path), [sharegpt(0)])
+    cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={
+        "engine": "command", "command": ["serve", "--port", "{port}"], "port": 30000,
+        "health_url": "http://127.0.0.1:30000/health"})})
+    [first, third] = [split_ranges(["s0", "s1", "s2"], 3)[i] for i in (0, 2)]
+    assert child_config(cfg, first).serve == cfg.serve
+    moved = child_config(cfg, third).serve
+    assert (moved.port, moved.health_url) == (30002, "http://127.0.0.1:30002/health")
+    elsewhere = cfg.serve.model_copy(update={"health_url": "http://10.0.0.5:9000/ready"})  # another port: kept
+    assert elsewhere.on_port(30002).health_url == "http://10.0.0.5:9000/ready"
+
+
 class ThreadLauncher:
     """Each child a thread running `TABLE.run(..., range_task=...)`. `silent` attempts run but never
     beat their lease (a machine that died); `stuck` attempts stay taken by a worker and never start
