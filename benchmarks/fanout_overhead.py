@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from drafter.demo_target import build_demo_target  # noqa: E402
 from drafter.prepare.sources import load_sharegpt  # noqa: E402
-from tests.fixtures.net import free_port  # noqa: E402
+from tests.fixtures.net import free_port, free_port_block  # noqa: E402
 from tests.fixtures.targets import TINY_CONVERSATIONS, tiny_target_config  # noqa: E402
 
 PREFECT = str(ROOT / ".venv" / "bin" / "prefect")
@@ -45,8 +45,8 @@ def when(s: str) -> dt.datetime:
 def main(delay_s: float, with_dump: bool = False, keep_server: bool = False) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="fanout-bench-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp / "prefect"), PREFECT_SERVER_API_PORT=str(free_port()), PREFECT_UI_ENABLED="true" if keep_server else "false",
-               DRAFTER_WORKERS="3", DRAFTER_WORKER_LIMIT="2")
+    env.update(PREFECT_HOME=str(tmp / "prefect"), PREFECT_SERVER_API_PORT=str(free_port()),
+               PREFECT_UI_ENABLED="true" if keep_server else "false", DRAFTER_WORKERS="3", DRAFTER_WORKER_LIMIT="2")
     api = f"http://127.0.0.1:{env['PREFECT_SERVER_API_PORT']}/api"
     # datagen checks the target's files and renders the prompts with its chat template: the tests' tiny target
     build_demo_target(tiny_target_config(), tmp / "target", conversations=load_sharegpt(TINY_CONVERSATIONS))
@@ -60,7 +60,7 @@ def main(delay_s: float, with_dump: bool = False, keep_server: bool = False) -> 
         "datagen": {"max_tokens": 8, "shard_size": 2, "concurrency_per_server": 1, "workers": 3},
         "dump": {"aux_layer_ids": [0, 1, 2], "max_length": 64, "samples_per_shard": 3, "devices": ["cpu"],
                  "workers": 3},
-        "serve": {"engine": "command", "port": free_port(), "log_dir": str(tmp / "logs"),
+        "serve": {"engine": "command", "port": free_port_block(3), "log_dir": str(tmp / "logs"),
                   "command": [sys.executable, str(ROOT / "tests/fixtures/chat_server.py"), "--port", "{port}",
                               "--served-model-name", "{served_model_name}", "--delay-s", str(delay_s)]},
         "storage": {"root": f"file://{tmp}/store"}}))
@@ -69,8 +69,9 @@ def main(delay_s: float, with_dump: bool = False, keep_server: bool = False) -> 
         sys.exit(f"infra/prefect-up.sh failed: {up.stdout}{up.stderr}")
     parent = None
     try:
+        stages = ["prepare", "datagen"] + (["dump"] if with_dump else [])
         out = subprocess.run([PREFECT, "deployment", "run", "drafter-lifecycle/stage", "--param", f"profile={profile}",
-                              "--param", "stages=" + json.dumps(["prepare", "datagen"] + (["dump"] if with_dump else [])), "--watch"],
+                              "--param", f"stages={json.dumps(stages)}", "--watch"],
                              env={**env, "PREFECT_API_URL": api, "PREFECT_CLI_WRAP_LINES": "false"},
                              capture_output=True, text=True, timeout=600)
         if out.returncode:

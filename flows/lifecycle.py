@@ -77,7 +77,8 @@ def graph_edge(subflow_state: State) -> State:
     a subflow's node by its flow-run id and draws an edge from any input naming that id: the
     state, naming its flow run as the run to wait for, gives the edge."""
     details = subflow_state.state_details
-    return subflow_state.model_copy(update={"state_details": details.model_copy(update={"task_run_id": details.flow_run_id})})
+    waits_on = details.model_copy(update={"task_run_id": details.flow_run_id})
+    return subflow_state.model_copy(update={"state_details": waits_on})
 
 
 def run_stages(table: StageTable, subflows: dict[str, Flow], cfg: LifecycleConfig,

@@ -30,7 +30,7 @@ from drafter.stage_output import StageOutput
 from drafter.stages import TABLE
 from drafter.store import open_store
 from tests.fixtures.local_prefect import local_prefect
-from tests.fixtures.net import free_port
+from tests.fixtures.net import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT = str(ROOT / ".venv" / "bin" / "prefect") if (ROOT / ".venv").exists() else "prefect"
@@ -181,15 +181,15 @@ def alive(pid: int) -> bool:
 def test_fanned_out_stages_survive_a_killed_worker_and_equal_one_worker(pool, tiny_target, tmp_path):
     # the one-worker reference, in this process: same profile, its own store
     ref_root = f"file://{tmp_path}/ref-store"
-    ref = load_config(profile(tmp_path, tiny_target, ref_root, workers=1, delay_s=0.0, base_port=free_port(),
-                              name="ref"))
+    ref = load_config(profile(tmp_path, tiny_target, ref_root, workers=1, delay_s=0.0,
+                              base_port=free_port_block(1), name="ref"))
     fps = TABLE.fingerprints(ref)
     for stage in ("prepare", "datagen", "dump"):
         fps.record(TABLE.run(stage, ref, fingerprints=fps))
 
     store_dir = tmp_path / "store"
     fanned = profile(tmp_path, tiny_target, f"file://{store_dir}", workers=3, delay_s=0.5,
-                     base_port=free_port(), name="fanned")
+                     base_port=free_port_block(3), name="fanned")
     proc = subprocess.Popen([PREFECT, "deployment", "run", "drafter-lifecycle/stage", "--param", f"profile={fanned}",
                              "--param", f"stages={STAGES}", "--watch", "--watch-timeout", "400"],
                             env={**pool, "PREFECT_CLI_WRAP_LINES": "false"}, stdout=subprocess.PIPE,
@@ -258,7 +258,7 @@ def test_fanned_out_stages_survive_a_killed_worker_and_equal_one_worker(pool, ti
 
 
 def test_a_failed_range_fails_the_run_naming_it_and_a_rerun_runs_only_it(pool, tiny_target, tmp_path):
-    base = free_port()
+    base = free_port_block(3)
     store_dir = tmp_path / "store"
     path = profile(tmp_path, tiny_target, f"file://{store_dir}", workers=3, delay_s=0.0, base_port=base,
                    name="failing")
@@ -287,8 +287,8 @@ def test_a_failed_range_fails_the_run_naming_it_and_a_rerun_runs_only_it(pool, t
 def test_cancelling_the_parent_cancels_its_children_and_leaves_no_server(pool, tiny_target, tmp_path):
     store_dir = tmp_path / "store"
     # 6 requests of 15 s per range: no child can finish its range before the cancellation reaches it
-    path = profile(tmp_path, tiny_target, f"file://{store_dir}", workers=3, delay_s=15.0, base_port=free_port(),
-                   name="cancelled")
+    path = profile(tmp_path, tiny_target, f"file://{store_dir}", workers=3, delay_s=15.0,
+                   base_port=free_port_block(3), name="cancelled")
     started = run(pool, path, watch=False)
     assert started.returncode == 0, started.stdout + started.stderr
     parent = run_id_of(started.stdout)
