@@ -200,10 +200,20 @@ def watch(fd: int, pgid: int, sid: int | None, tag: str | None, grace_s: float,
         pass
     left = members(pgid, sid, tag)
     if left:
-        print(f"drafter watchdog: launcher gone, stopping server processes {left}", file=sys.stderr, flush=True)
+        _say(f"drafter watchdog: launcher gone, stopping server processes {left}")
         _, left = terminate(pgid, sid, grace_s, 5.0, tag)
         if not left and pid_file:
             Path(pid_file).unlink(missing_ok=True)
+
+
+def _say(line: str) -> None:
+    """Best effort: our stderr is the launcher's, often a pipe to a process that died with it (a
+    stopped Prefect worker). A write there raises BrokenPipeError, which must not stop the watchdog
+    before it ends the server."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 class Watchdog:

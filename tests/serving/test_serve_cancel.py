@@ -6,10 +6,10 @@ import signal
 import subprocess
 import sys
 import time
-
-import pytest
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from drafter.serving.ownership import group_members
 from tasks.common import reap_left_servers
@@ -115,3 +115,32 @@ def test_sigterm_becomes_an_interrupt_only_where_nothing_else_handles_it():
         assert signal.getsignal(signal.SIGTERM) is engines_handler
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+LAUNCHER = """
+import subprocess, sys, time
+from drafter.serving import procs
+server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+procs.Watchdog(server.pid, server.pid, "no-tag", grace_s=1.0)
+print(server.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_the_watchdog_ends_the_server_when_the_launchers_log_pipe_is_gone_too():
+    """A stopped Prefect worker takes the pipe its runs log to: the watchdog's "launcher gone" line
+    hits a broken pipe, and it must still end the server."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    server = int(launcher.stdout.readline())
+    launcher.stdout.close()
+    launcher.stderr.close()  # nobody reads the launcher's (and so the watchdog's) stderr any more
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and group_members(server, server):
+        time.sleep(0.1)
+    left = group_members(server, server)
+    if left:
+        os.killpg(server, signal.SIGKILL)
+    assert not left, f"server {server} outlived its launcher"
