@@ -1,7 +1,8 @@
 """The `drafter-stage-range` flow: one contiguous range of a fanned-out stage's shards.
 
 A stage with `<stage>.workers` > 1 (datagen, dump) launches one run of this flow per range
-(tasks/fanout.py), through the `range` deployments of deployments/prefect.yaml, on their work pool.
+(tasks/fanout.py), through `<stage>.worker_deployment` (by default `drafter-stage-range/local`,
+deployments/prefect.yaml), on that deployment's work pool.
 The run computes the range's pending shards and writes them with their markers, beating a lease in
 the store meanwhile; the parent stage commits once every range is done (drafter.fanout). Its own
 servers (datagen without `server_urls`) are torn down by the stage, and reaped by the hooks when
