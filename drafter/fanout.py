@@ -231,13 +231,13 @@ def run_ranges(job: FanOut, launcher: Launcher, store: ObjectStore, *, attempts:
             for r in ranges:
                 if r.state.kind in ("done", "failed", "cancelled"):
                     continue
-                previous, r.state = r.state.kind, launcher.state(r.handle)
+                previous, r.state, now = r.state.kind, launcher.state(r.handle), time.monotonic()
                 if r.kind_since is None or r.state.kind != previous:
-                    r.kind_since = time.monotonic()
+                    r.kind_since = now
                 if r.state.kind == "running":
                     _watch_lease(r, job, launcher, store, lease_timeout_s)
-                if r.state.kind == "starting" and time.monotonic() - r.kind_since > start_timeout_s:
-                    why = (f"taken by a worker but not started after {time.monotonic() - r.kind_since:.0f} s "
+                if r.state.kind == "starting" and now - r.kind_since > start_timeout_s:
+                    why = (f"taken by a worker but not started after {now - r.kind_since:.0f} s "
                            "(its worker died, or its infrastructure never came up)")
                     launcher.mark_lost(r.handle, why)
                     r.state = ChildState("lost", why)

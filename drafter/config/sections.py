@@ -347,8 +347,8 @@ class ServeConfig(Strict):
         if port == self.port:
             return self
         update: dict[str, Any] = {"port": port}
-        if self.health_url and urlsplit(self.health_url).port == self.port:
-            parts = urlsplit(self.health_url)
+        parts = urlsplit(self.health_url) if self.health_url else None
+        if parts is not None and parts.port == self.port:
             host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else (parts.hostname or "")
             update["health_url"] = urlunsplit(parts._replace(netloc=f"{host}:{port}"))
         return self.model_copy(update=update)
