@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import re
 import subprocess
 import sys
@@ -32,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from drafter.demo_target import build_demo_target  # noqa: E402
 from drafter.prepare.sources import load_sharegpt  # noqa: E402
-from tests.fixtures.net import free_port, free_port_block  # noqa: E402
+from tests.fixtures.local_prefect import local_prefect  # noqa: E402
+from tests.fixtures.net import free_port_block  # noqa: E402
 from tests.fixtures.targets import TINY_CONVERSATIONS, tiny_target_config  # noqa: E402
 
 PREFECT = str(ROOT / ".venv" / "bin" / "prefect")
@@ -44,10 +44,6 @@ def when(s: str) -> dt.datetime:
 
 def main(delay_s: float, with_dump: bool = False, keep_server: bool = False) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="fanout-bench-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp / "prefect"), PREFECT_SERVER_API_PORT=str(free_port()),
-               PREFECT_UI_ENABLED="true" if keep_server else "false", DRAFTER_WORKERS="3", DRAFTER_WORKER_LIMIT="2")
-    api = f"http://127.0.0.1:{env['PREFECT_SERVER_API_PORT']}/api"
     # datagen checks the target's files and renders the prompts with its chat template: the tests' tiny target
     build_demo_target(tiny_target_config(), tmp / "target", conversations=load_sharegpt(TINY_CONVERSATIONS))
     corpus = tmp / "prompts.jsonl"
@@ -64,20 +60,17 @@ def main(delay_s: float, with_dump: bool = False, keep_server: bool = False) -> 
                   "command": [sys.executable, str(ROOT / "tests/fixtures/chat_server.py"), "--port", "{port}",
                               "--served-model-name", "{served_model_name}", "--delay-s", str(delay_s)]},
         "storage": {"root": f"file://{tmp}/store"}}))
-    up = subprocess.run([str(ROOT / "infra/prefect-up.sh")], env=env, capture_output=True, text=True, timeout=300)
-    if up.returncode:
-        sys.exit(f"infra/prefect-up.sh failed: {up.stdout}{up.stderr}")
-    parent = None
-    try:
+    with local_prefect(tmp / "prefect", ui=keep_server, keep=keep_server, DRAFTER_WORKERS="3",
+                       DRAFTER_WORKER_LIMIT="2") as env:
+        api = env["PREFECT_API_URL"]
         stages = ["prepare", "datagen"] + (["dump"] if with_dump else [])
         out = subprocess.run([PREFECT, "deployment", "run", "drafter-lifecycle/stage", "--param", f"profile={profile}",
                               "--param", f"stages={json.dumps(stages)}", "--watch"],
-                             env={**env, "PREFECT_API_URL": api, "PREFECT_CLI_WRAP_LINES": "false"},
-                             capture_output=True, text=True, timeout=600)
+                             env={**env, "PREFECT_CLI_WRAP_LINES": "false"}, capture_output=True, text=True,
+                             timeout=600)
         if out.returncode:
             sys.exit(f"the fanned-out run did not complete:\n{out.stdout[-3000:]}{out.stderr[-2000:]}")
-        out = out.stdout
-        parent = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+        parent = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
         kids = httpx.post(f"{api}/flow_runs/filter", json={"flow_runs": {"tags": {
             "all_": [f"drafter-fanout-of:{parent}", "drafter-stage:datagen"]}}}).json()
         [manifest] = (tmp / "store" / "datagen").glob("*/_SUCCESS.json")
@@ -90,13 +83,9 @@ def main(delay_s: float, with_dump: bool = False, keep_server: bool = False) -> 
             run = k["total_run_time"]
             print(f"  {k['name']}: {k['state_type']}, waited {wait:.1f} s to start, ran {run:.1f} s "
                   f"(ideal + {run - ideal:.1f} s)")
-    finally:
         if keep_server:
-            if parent:
-                print(f"the run: http://127.0.0.1:{env['PREFECT_SERVER_API_PORT']}/runs/flow-run/{parent}")
+            print(f"the run: {api.removesuffix('/api')}/runs/flow-run/{parent}")
             print(f"stop the server: PREFECT_HOME={env['PREFECT_HOME']} infra/prefect-down.sh")
-        else:
-            subprocess.run([str(ROOT / "infra/prefect-down.sh")], env=env, capture_output=True, timeout=180)
 
 
 if __name__ == "__main__":
