@@ -73,3 +73,8 @@ class Prefetch:
         if self._started is not None and not self._stop.is_set():
             self.active_s = time.perf_counter() - self._started
         self._stop.set()
+        # Wait for the producer (it stops at its next item): a daemon thread still inside a torch op
+        # when the interpreter exits is killed mid-frame and aborts the process ("terminate called
+        # without an active exception", exit -6 instead of the CLI's code).
+        if self._thread is not threading.current_thread():
+            self._thread.join()

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -256,7 +257,9 @@ def _train(r: _Run) -> TrainResult:
     packer = Packer(tc.tokens_per_micro_batch, tc.max_length)
     batches = packer.batches(r.train_reader.samples(st.cursor, tc.epochs), Cursor(tc.epochs, 0, 0))
     st.t_log = time.perf_counter()
-    with _Sigterm() as sigterm:
+    # closing: the packer's thread is stopped and joined however the loop ends (an exception's
+    # traceback would otherwise keep it packing while the process exits)
+    with _Sigterm() as sigterm, closing(batches):
         while tc.max_steps is None or st.step < tc.max_steps:
             group = list(itertools.islice(batches, tc.micro_batches_per_step))
             if len(group) < tc.micro_batches_per_step:
@@ -428,19 +431,20 @@ def _evaluate(module, reader: DumpReader, embed, head, d, tc, dtype) -> dict:
     packer = Packer(tc.tokens_per_micro_batch, tc.max_length)
     seen = 0
     drafter = module.module.drafter if hasattr(module, "module") else module.drafter
-    for i, (_c, mb, _n) in enumerate(packer.batches(reader.samples(Cursor(), 1), Cursor(1, 0, 0))):
-        if tc.eval_max_tokens is not None and seen >= tc.eval_max_tokens:
-            break
-        seen += mb.num_tokens
-        if i % d.world != d.rank:
-            continue
-        si = prepare(mb, embed, head, tc.ttt_length, d.device, dtype)
-        if tc.parallel == "fsdp" and d.active:  # FSDP2 gathers the shards in forward
-            _loss, st, correct = module(si, tc.ttt_decay, 1.0, return_correct=True)
-        else:
-            _loss, st, correct = fast_ttt_loss(drafter, si, tc.ttt_decay, 1.0, return_correct=True)
-        stats += st
-        walk += served_walk(correct.cpu(), si.lm[0].cpu()).to(walk.device)
+    with closing(packer.batches(reader.samples(Cursor(), 1), Cursor(1, 0, 0))) as batches:
+        for i, (_c, mb, _n) in enumerate(batches):
+            if tc.eval_max_tokens is not None and seen >= tc.eval_max_tokens:
+                break
+            seen += mb.num_tokens
+            if i % d.world != d.rank:
+                continue
+            si = prepare(mb, embed, head, tc.ttt_length, d.device, dtype)
+            if tc.parallel == "fsdp" and d.active:  # FSDP2 gathers the shards in forward
+                _loss, st, correct = module(si, tc.ttt_decay, 1.0, return_correct=True)
+            else:
+                _loss, st, correct = fast_ttt_loss(drafter, si, tc.ttt_decay, 1.0, return_correct=True)
+            stats += st
+            walk += served_walk(correct.cpu(), si.lm[0].cpu()).to(walk.device)
     d.all_sum(stats)
     d.all_sum(walk)
     return {"tokens": seen, **summarize(stats), **served_figures(walk)}
