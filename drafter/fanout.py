@@ -301,6 +301,14 @@ def status_line(job: FanOut, ranges: Sequence[_Range]) -> str:
     kinds = [r.state.kind for r in ranges]
     done = kinds.count("done") + finished_before
     failed = kinds.count("failed") + kinds.count("cancelled")
-    line = f"{job.stage}: {done} of {job.total_ranges} ranges done, {failed} failed"
     extra = [f"{kinds.count(k)} {k}" for k in ("running", "starting", "waiting") if kinds.count(k)]
-    return line + (f" ({', '.join(extra)})" if extra else "")
+    return _counts(job.stage, done, job.total_ranges, failed) + (f" ({', '.join(extra)})" if extra else "")
+
+
+def done_line(stage: str, figures: dict) -> str:
+    """The parent's state message once every range is done; `figures`: what run_ranges returned."""
+    return _counts(stage, figures["ranges"], figures["ranges"], 0) + f" ({figures['launched']} launched here)"
+
+
+def _counts(stage: str, done: int, total: int, failed: int) -> str:
+    return f"{stage}: {done} of {total} ranges done, {failed} failed"

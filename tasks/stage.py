@@ -15,7 +15,7 @@ from prefect.tasks import exponential_backoff
 from drafter.config import LifecycleConfig
 from drafter.errors import DrafterError, describe
 from drafter.serving.launcher import ServerLine
-from drafter.fanout import RangeTask
+from drafter.fanout import RangeTask, done_line
 from drafter.stage_output import StageResult
 from drafter.stages import Stage, StageTable
 from drafter.store import open_store
@@ -51,8 +51,7 @@ def stage_task(stage: Stage, table: StageTable) -> Task:
         verdict(result)
         fanned = result.meta.get("fan_out")
         if fanned:  # the stage's state message keeps the ranges' count
-            return Completed(message=f"{stage.name}: {fanned['ranges']} of {fanned['ranges']} ranges done, 0 failed "
-                                     f"({fanned['launched']} launched here)", data=result.to_dict())
+            return Completed(message=done_line(stage.name, fanned), data=result.to_dict())
         return result.to_dict()
 
     return task(run, name=stage.name, retries=stage.retries, retry_delay_seconds=exponential_backoff(10),

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from drafter.fanout import (ChildState, PlanChanged, RangesFailed, RangeTask, child_config, lease_key, run_ranges,
-                            split_ranges)
+from drafter.fanout import (ChildState, PlanChanged, RangesFailed, RangeTask, child_config, done_line, lease_key,
+                            run_ranges, split_ranges)
 from drafter.stage_output import StageOutput
 from drafter.stages import TABLE
 from drafter.store import open_store
@@ -166,6 +166,7 @@ def test_a_child_queued_for_a_worker_is_never_lost(tmp_path):
                          start_timeout_s=0.01, poll_s=0.01, on_status=lines.append)
     assert launcher.lost == [] and figures["attempts"] == 1
     assert lines == ["datagen: 0 of 1 ranges done, 0 failed (1 waiting)", "datagen: 1 of 1 ranges done, 0 failed"]
+    assert done_line("datagen", figures) == "datagen: 1 of 1 ranges done, 0 failed (1 launched here)"
 
 
 def test_a_failed_range_fails_the_stage_naming_it_and_a_rerun_launches_only_it(tmp_path, fakes):
