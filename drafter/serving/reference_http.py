@@ -80,6 +80,7 @@ class ServerState:
             "speculative_num_steps": a.speculative_num_steps,
             "speculative_eagle_topk": a.speculative_eagle_topk,
             "speculative_num_draft_tokens": a.speculative_num_draft_tokens,
+            "simulate_accept_length": a.simulate_accept_length,
             "speculative_aux_hidden_state_layer_ids": target.aux_layer_ids if drafter is not None else None,
             "layer_id_convention": layer_id_convention(),
             "engine": "reference", "faults": list(a.fault), "version": VERSION,

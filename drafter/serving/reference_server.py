@@ -3,7 +3,8 @@ behind SGLang-compatible flags, start-up log lines and endpoints (contract secti
 
     python -m drafter.serving.reference_server --model-path DIR --host H --port P \
         [--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR \
-         --speculative-num-steps S --speculative-eagle-topk 1 --speculative-num-draft-tokens S+1] \
+         --speculative-num-steps S --speculative-eagle-topk 1 --speculative-num-draft-tokens S+1 \
+         [--simulate-accept-length A]] \
         [--fault hang:<phase> | crash:<phase> | slow:<phase>:<seconds> | refuse-generation | never-healthy]
 
 Start-up follows SGLang's order: weights -> KV cache -> HTTP server -> warmup generation -> ready.
@@ -11,6 +12,11 @@ The port is only bound after loading, so it refuses connections while the model 
 served one at a time by the engine (a lock), which keeps per-request accounting exact.
 `/v1/chat/completions` with `return_token_ids: true` also answers the generated ids and the prompt
 ids in vLLM's fields (`choices[0].token_ids`, `prompt_token_ids`), so one client reads both.
+
+`--simulate-accept-length A` (the bench's accept-length curve, SGLang's SGLANG_SIMULATE_ACC_LEN in
+spirit): every verify accepts A - 1 drafts on average instead of the ones the target agrees with
+(drafter.serving.speculative.ForcedAccepts), so cycles cost what real ones with accept length A
+cost; the output is not the target's. Reported as `simulate_accept_length` in /get_server_info.
 
 Faults (tests of the readiness gate; all off by default) act at the start of a phase:
   hang      no progress and no log line ever again; the process stays alive
@@ -118,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    p.add_argument("--simulate-accept-length", type=float, default=None, metavar="A",
+                   help="force A tokens per verify on average (bonus included; timing only, see the docstring)")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="fault injection for tests (repeatable), see the module docstring")
     p.add_argument("--cpu-threads", type=int, default=None,
@@ -149,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--speculative-num-draft-tokens": args.speculative_num_draft_tokens}
     given = [k for k, v in spec.items() if v is not None]
     if args.speculative_algorithm is None:
+        if args.simulate_accept_length is not None:
+            given.append("--simulate-accept-length")
         if given or args.speculative_draft_model_path:
             parser.error(f"{given + (['--speculative-draft-model-path'] if args.speculative_draft_model_path else [])} "
                          "given without --speculative-algorithm EAGLE3")
@@ -167,6 +177,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--speculative-eagle-topk {k}: the reference engine drafts a chain (topk 1 only)")
     if d != s + 1:
         parser.error(f"--speculative-num-draft-tokens {d}: with topk 1 it must be num_steps + 1 = {s + 1}")
+    a = args.simulate_accept_length
+    if a is not None and not 1.0 <= a <= s + 1:
+        parser.error(f"--simulate-accept-length {a}: must be in [1, num_steps + 1 = {s + 1}] "
+                     "(tokens per verify, bonus included)")
     return args
 
 
@@ -224,7 +238,8 @@ def load_engine(args: argparse.Namespace):
     from drafter.serving.speculative import SpeculativeEngine
 
     faults.at("kv_cache")
-    engine = SpeculativeEngine(target, drafter, args.speculative_num_steps or 0)
+    engine = SpeculativeEngine(target, drafter, args.speculative_num_steps or 0,
+                               forced_accept_length=args.simulate_accept_length)
     # Caches are allocated per request on demand; report what one full-context request takes.
     cfg = target.config
     head_dim = getattr(cfg, "head_dim", None) or target.hidden_size // cfg.num_attention_heads
@@ -236,6 +251,9 @@ def load_engine(args: argparse.Namespace):
         log.info(f"Speculative decoding: EAGLE3 num_steps={args.speculative_num_steps} topk=1 "
                  f"num_draft_tokens={args.speculative_num_draft_tokens}, aux layer ids {target.aux_layer_ids} "
                  f"({layer_id_convention()})")
+        if args.simulate_accept_length is not None:
+            log.info(f"Simulated acceptance: {args.simulate_accept_length} tokens per verify (timing only: "
+                     f"outputs are not the target's)")
     log.info(f"Memory pool end. avail mem={_avail_mem_gb(device):.2f} GB")
     return engine
 

@@ -18,9 +18,16 @@ min(1, p(d)/q(d)), else resample from max(p - q, 0)), which keeps the target's d
 Invariant between iterations: `committed` tokens are known, both caches hold len(committed) - 1
 positions (the last token is not yet processed), and the drafter's output at the last cached
 position is ready to produce d_1.
+
+Forced acceptance (`forced_accept_length`, the bench's accept-length curve; SGLang's
+SGLANG_SIMULATE_ACC_LEN and vLLM's synthetic rejection sampling are the same idea): step 3 accepts
+a set number of drafts instead of the ones the target agrees with, so a cycle costs what a real
+cycle with that acceptance costs (same draft steps, verify, rollback and catch-up). The output is
+then not the target's: for timing only.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -120,7 +127,14 @@ def _warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 class SpeculativeEngine:
     """Generates for one request at a time; with `drafter=None` it is plain decoding."""
 
-    def __init__(self, target: HFTarget, drafter: Eagle3Drafter | None = None, num_steps: int = 3):
+    def __init__(self, target: HFTarget, drafter: Eagle3Drafter | None = None, num_steps: int = 3,
+                 forced_accept_length: float | None = None):
+        if forced_accept_length is not None:
+            if drafter is None:
+                raise ValueError("forced_accept_length needs a drafter")
+            if not 1.0 <= forced_accept_length <= num_steps + 1:
+                raise ValueError(f"forced_accept_length {forced_accept_length}: must be in [1, num_steps + 1 = "
+                                 f"{num_steps + 1}] (tokens per verify, bonus included)")
         if drafter is not None:
             if num_steps < 1:
                 raise ValueError("num_steps must be >= 1 with a drafter")
@@ -133,6 +147,7 @@ class SpeculativeEngine:
                 raise ValueError("drafter hidden size differs from the target's and it has no embed_tokens")
             target.set_aux_layer_ids(cfg.resolved_aux_layer_ids(target.num_layers))
         self.target, self.drafter, self.num_steps = target, drafter, num_steps
+        self.forced_accept_length = forced_accept_length
 
     @property
     def speculative(self) -> bool:
@@ -219,6 +234,7 @@ class SpeculativeEngine:
                                      self._positions(0, len(prompt)), dcache)
         last_token, cached = token, len(prompt)
         logits, hidden = d_logits[:, -1:], d_hidden[:, -1:]
+        forced = ForcedAccepts(self.forced_accept_length, steps) if self.forced_accept_length is not None else None
         while True:
             if debug_hook is not None:
                 debug_hook(prompt + out.ids, tcache, dcache)
@@ -238,6 +254,9 @@ class SpeculativeEngine:
             result.proposed_drafts += steps
             # 3. accept the agreeing prefix + the bonus token
             accepted, bonus = accept_drafts(verify.logits[0], drafts, draft_probs, params, gen)
+            if forced is not None:  # the real comparison above kept its cost; its outcome is replaced
+                accepted = forced.next()
+                bonus = self._pick(verify.logits[0, accepted], params, gen)
             result.accepted_drafts += accepted
             result.verifies.append((len(out.ids), accepted))
             new_tokens = drafts[:accepted] + [bonus]
@@ -260,6 +279,23 @@ class SpeculativeEngine:
         q = torch.zeros(self.target.vocab_size, device=q_draft.device)
         q[self.drafter.draft_to_target(torch.arange(len(q_draft), device=q_draft.device))] = q_draft
         return draft_id, q
+
+
+class ForcedAccepts:
+    """Drafts accepted per verify for a forced mean accept length `a` (tokens per verify, bonus
+    included, so a - 1 drafts): floor or ceil of a - 1, the one that keeps the running total
+    nearest (a - 1) x verifies. Deterministic, and exact to one token over any request, where a
+    random draw (SGLang's match-expected) would leave a short request's mean off by chance."""
+
+    def __init__(self, accept_length: float, num_steps: int):
+        self.drafts, self.num_steps = accept_length - 1.0, num_steps
+        self.verifies = self.accepted = 0
+
+    def next(self) -> int:
+        self.verifies += 1
+        k = min(self.num_steps, max(0, math.floor(self.drafts * self.verifies - self.accepted + 0.5)))
+        self.accepted += k
+        return k
 
 
 def accept_drafts(target_logits: torch.Tensor, drafts: list[int], draft_probs: list,

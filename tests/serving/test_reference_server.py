@@ -143,6 +143,7 @@ def _generate(url: str, prompt: list[int], max_new: int = 20, **params) -> dict:
 @pytest.mark.parametrize("flags, words", [
     (["--speculative-eagle-topk", "4"], "topk 1 only"),
     (["--speculative-num-draft-tokens", "3"], "must be num_steps \\+ 1 = 4"),
+    (["--simulate-accept-length", "4.5"], "--simulate-accept-length 4.5: must be in \\[1, num_steps \\+ 1 = 4\\]"),
 ])
 def test_bad_speculative_flags_exit_2(tmp_path, flags, words):
     spec = {"--speculative-num-steps": "3", "--speculative-eagle-topk": "1", "--speculative-num-draft-tokens": "4"}
@@ -162,6 +163,8 @@ def test_bad_fault_and_partial_speculative_flags_exit_2(tmp_path):
     done = subprocess.run(base + ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x",
                                   "--speculative-num-steps", "2"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and "set all of" in done.stderr
+    done = subprocess.run(base + ["--simulate-accept-length", "2"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and "['--simulate-accept-length'] given without --speculative-algorithm" in done.stderr
 
 
 # ----------------------------------------------------------------------------- the main server

@@ -1,6 +1,7 @@
 """EAGLE-3 speculative decoding: lossless greedy, the accept path, cache rollback, sampling."""
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import torch
 
 from drafter.model import DraftKVCache, init_random_drafter, load_drafter
 from drafter.target import HFTarget
-from drafter.serving.speculative import SamplingParams, SpeculativeEngine, accept_drafts
+from drafter.serving.speculative import ForcedAccepts, SamplingParams, SpeculativeEngine, accept_drafts
 from tests.fixtures.speculative import EOS, build_random_target, successor_pair  # noqa: F401 (fixture)
 
 
@@ -166,6 +167,40 @@ def test_sampling_generation_is_speculative_and_seeded(successor_pair):
     b = engine.generate([0, 150], SamplingParams(**params))
     assert a.output_ids == b.output_ids and a.speculative and a.spec_verify_ct >= 1
     assert len(a.output_ids) == 15
+
+
+# ----------------------------------------------------------------------------- forced acceptance
+
+@pytest.mark.parametrize("accept_length", [1.0, 1.5, 2.5, 2.75, 4.0])
+def test_forced_acceptance_gives_the_requested_mean_accept_length(random_pair, accept_length):
+    """A random drafter is (almost) never accepted for real: forced, it still gets exactly the mean
+    asked for (1 + accepted drafts / verifies, within one token over the request), whatever the
+    prompt; the same engine unforced is lossless again."""
+    target_dir, draft_dir = random_pair
+    target = HFTarget(target_dir, device="cpu")
+    forced = SpeculativeEngine(target, load_drafter(draft_dir), 3, forced_accept_length=accept_length)
+    for prompt in ([0, 17, 150], [0, 99] * 6):
+        res = forced.generate(prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))
+        assert len(res.output_ids) == 60 and res.speculative
+        got = 1 + res.accepted_drafts / res.spec_verify_ct
+        assert abs(got - accept_length) <= 1 / res.spec_verify_ct, (got, res.verifies)
+        assert {acc for _, acc in res.verifies} <= {math.floor(accept_length - 1), math.ceil(accept_length - 1)}
+    real = SpeculativeEngine(target, load_drafter(draft_dir), 3)
+    assert real.generate([0, 17, 150], SamplingParams(max_new_tokens=20)).output_ids == \
+        _reference(real, [0, 17, 150], 20)
+
+
+def test_forced_accepts_schedule_and_its_limits(random_pair):
+    seq = ForcedAccepts(2.4, 3)
+    got = [seq.next() for _ in range(10)]
+    assert sum(got) == 14 and set(got) == {1, 2}  # 1.4 drafts per verify, never off by a whole token
+    assert [ForcedAccepts(4.0, 3).next() for _ in range(3)] == [3, 3, 3]
+    target_dir, draft_dir = random_pair
+    target = HFTarget(target_dir, device="cpu")
+    with pytest.raises(ValueError, match=r"must be in \[1, num_steps \+ 1 = 4\]"):
+        SpeculativeEngine(target, load_drafter(draft_dir), 3, forced_accept_length=4.5)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        SpeculativeEngine(target, None, 3, forced_accept_length=2.0)
 
 
 def test_engine_checks_drafter_against_target(random_pair, tiny_target, tmp_path):
