@@ -106,19 +106,22 @@ class ServerSession:
     server that does not use the requested speculative settings fails the session with
     ServerConfigError (field note 3) instead of being handed out. `check_teardown`: an incomplete
     teardown raises TeardownError (when nothing else failed); without it the caller reads
-    `session.teardown`. A failed start raises its typed ServerStartError after the teardown."""
+    `session.teardown`. `forced_accept_length`: the engine's forced acceptance (timing only: the
+    bench's accept-length curve). A failed start raises its typed ServerStartError after the teardown."""
 
     def __init__(self, cfg: LifecycleConfig, *, draft_path: str | None = None, target_only: bool = False,
                  faults: Sequence[str] = (), on_line: OnLine | None = None,
                  log_dir: str | os.PathLike | None = None, phase_budgets: Mapping[str, float] | None = None,
                  poll_s: float = 0.5, grace_s: float = 10.0, gpu_timeout_s: float = 60.0,
-                 strict_settings: bool = False, check_teardown: bool = True):
+                 strict_settings: bool = False, check_teardown: bool = True,
+                 forced_accept_length: float | None = None):
         if target_only:
             serve = cfg.serve.model_copy(update={"speculative": None, "draft_path": None})
             cfg, draft_path = cfg.model_copy(update={"serve": serve}), None
         elif draft_path is None:
             draft_path = cfg.serve.draft_path
         self.cfg, self.draft_path, self.faults, self.on_line = cfg, draft_path, tuple(faults), on_line
+        self.forced_accept_length = forced_accept_length
         self.engine = make_engine(cfg.serve.engine)
         self.log_path = new_log_path(log_dir or cfg.serve.log_dir, self.engine.name)
         self.phase_budgets, self.poll_s = phase_budgets, poll_s
@@ -141,7 +144,8 @@ class ServerSession:
         self._stack = stack = ExitStack()
         try:
             stack.enter_context(sigterm_as_interrupt())  # a cancelled run (SIGTERM) still tears down
-            spec = engine.build_launch(cfg, self.draft_path, self.log_path.parent, faults=self.faults)
+            spec = engine.build_launch(cfg, self.draft_path, self.log_path.parent, faults=self.faults,
+                                       forced_accept_length=self.forced_accept_length)
             # Secrets are resolved here, in the launching process, and only handed to the server.
             secrets = resolve_all(cfg.serve.secrets)
             spec.env.update(secrets)

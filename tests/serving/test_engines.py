@@ -141,6 +141,38 @@ def test_reference_refuses_tensor_parallel(tmp_path):
         make_engine("reference").build_launch(small_config("reference", tp_size=2), None, tmp_path)
 
 
+def test_each_engine_forces_an_accept_length_with_its_own_knob(tmp_path):
+    """The bench's accept-length curve: reference our flag, SGLang its environment variable, vLLM
+    its synthetic rejection sampler in --speculative-config; the command engine has no known knob.
+    Every knob is saved with the launch (argv / env_overrides)."""
+    s314 = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
+    ref = make_engine("reference").build_launch(small_config("reference", speculative=s314), "/drafters/d",
+                                                tmp_path, forced_accept_length=2.5)
+    assert flag(ref.argv, "--simulate-accept-length") == "2.5"
+    sgl = make_engine("sglang").build_launch(small_config("sglang", speculative=s314), "/drafters/d", tmp_path,
+                                             forced_accept_length=2.5)
+    assert "--simulate-accept-length" not in sgl.argv
+    want = {"SGLANG_SIMULATE_ACC_LEN": "2.5", "SGLANG_SIMULATE_ACC_METHOD": "match-expected"}
+    assert {k: sgl.env_overrides[k] for k in want} == want and {k: sgl.env[k] for k in want} == want
+    vll = make_engine("vllm").build_launch(small_config("vllm", speculative=s314), "/drafters/d", tmp_path,
+                                           forced_accept_length=2.5)
+    assert json.loads(flag(vll.argv, "--speculative-config")) == {
+        "method": "eagle3", "model": "/drafters/d", "num_speculative_tokens": 3,
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5}
+    # off: nothing of it anywhere
+    plain = make_engine("sglang").build_launch(small_config("sglang", speculative=s314), "/drafters/d", tmp_path)
+    assert "SGLANG_SIMULATE_ACC_LEN" not in plain.env_overrides
+    with pytest.raises(ServerConfigError, match=r"out of reach of 3 draft steps: it must be in \[1, 4\]"):
+        make_engine("vllm").build_launch(small_config("vllm", speculative=s314), "/drafters/d", tmp_path,
+                                         forced_accept_length=4.5)
+    with pytest.raises(ServerConfigError, match="needs a drafter and explicit speculative settings"):
+        make_engine("reference").build_launch(small_config("reference"), "/drafters/d", tmp_path,
+                                              forced_accept_length=2.0)
+    cmd = small_config("command", command=["srv", "--port", "{port}"], speculative=s314)
+    with pytest.raises(ServerConfigError, match="'command' has no known way to force an accept length"):
+        make_engine("command").build_launch(cmd, "/drafters/d", tmp_path, forced_accept_length=2.0)
+
+
 def test_phases_are_name_regex_budget_tuples():
     for name in ("sglang", "vllm", "reference", "command"):
         phases = make_engine(name).phases

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from drafter.config import parse_config
+from drafter.errors import is_retryable
 from drafter.serving.engines import check_speculative_settings, counters_delta, make_engine
 from drafter.serving.errors import ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.ownership import group_members
@@ -91,6 +92,25 @@ def test_acceptance_comes_from_real_counter_deltas(server):
     assert delta["accepted_per_position"][0] == delta["drafts"] and delta["accepted_per_position"][1] == 0
     assert engine.accept_length(before, after) == pytest.approx(2.0)
     assert resp.json()["usage"]["completion_tokens"] == 33
+
+
+def test_a_forced_accept_length_reaches_vllms_sampler_which_refuses_it_on_cpu(exported, vllm_py, tmp_path):
+    """vLLM's synthetic rejection sampler (the bench's accept-length curve): the JSON keys are taken
+    (a wrong key fails config parsing before any model loads) and reach the rejection sampler, whose
+    CPU kernel asserts at the gate's first generation: a configuration error naming the way out,
+    not a crash to retry. On a GPU the same keys force the rate (not testable here)."""
+    target, _, vllm_dir = exported
+    cfg = _cfg(target, vllm_py, tmp_path, speculative={"num_steps": STEPS, "eagle_topk": 1,
+                                                        "num_draft_tokens": STEPS + 1})
+    session = ServerSession(cfg, draft_path=str(vllm_dir), forced_accept_length=2.5, grace_s=5.0,
+                            check_teardown=False)
+    with pytest.raises(ServerConfigError, match="vllm's CPU build cannot force an accept length") as err:
+        with session:
+            pass
+    assert not is_retryable(err.value) and "reference engine" in str(err.value)
+    # vLLM took the keys: its own "non-default args" line echoes them
+    assert "'rejection_sample_method': 'synthetic', 'synthetic_acceptance_length': 2.5" in session.process.log_text()
+    assert session.teardown is not None and session.teardown.ok, session.teardown.problems
 
 
 def test_chat_answers_carry_vllms_own_token_ids_through_our_client(server, exported):

@@ -5,8 +5,9 @@ An `Engine` knows four things about a server program: how to launch it from a va
 `fatal_patterns`, used by the stall watchdog, and `config_error_patterns`: the lines that mean
 "this configuration cannot run on this host", a failed start that no retry will fix), how to ask a
 running server which speculative settings it ACTUALLY uses (`read_settings`; field note 3: a flag
-can be quietly rewritten), and how to read its acceptance counters (`metrics_snapshot` /
-`accept_length`).
+can be quietly rewritten), how to read its acceptance counters (`metrics_snapshot` /
+`accept_length`), and how to make it accept a set number of drafts whatever the drafter proposes
+(`forced_acceptance`: the bench's accept-length curve).
 
 This module holds the base class, the launch spec (`LaunchSpec`), start-up phases, the helpers the
 engines' command lines share (SGLang-style speculative flags, option tables, the launch
@@ -19,7 +20,7 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, NamedTuple, Sequence
 
@@ -95,6 +96,20 @@ class LaunchSpec:
         return self.base_url.rstrip("/") + path
 
 
+@dataclass(frozen=True)
+class ForcedAcceptance:
+    """What one engine is given to accept `accept_length` tokens per verify on average (bonus
+    included: 1 + accepted drafts / verifies) whatever the drafter proposes, so a cycle costs what a
+    real one with that acceptance costs. Timing only: the output is not the target's. `source`
+    names the engine code that reads the knob."""
+
+    accept_length: float
+    args: tuple[str, ...] = ()                                      # command-line flags to add
+    env: Mapping[str, str] = field(default_factory=dict)            # launch environment to add
+    speculative_config: Mapping[str, Any] = field(default_factory=dict)  # vLLM: --speculative-config keys
+    source: str = ""
+
+
 # --------------------------------------------------------------------------------------------
 # Engine base
 # --------------------------------------------------------------------------------------------
@@ -117,8 +132,15 @@ class Engine:
 
     # ---- launching -------------------------------------------------------------------------
     def build_launch(self, cfg: LifecycleConfig, draft_path: str | None = None,
-                     log_dir: str | os.PathLike | None = None, *, faults: Sequence[str] = ()) -> LaunchSpec:
+                     log_dir: str | os.PathLike | None = None, *, faults: Sequence[str] = (),
+                     forced_accept_length: float | None = None) -> LaunchSpec:
+        """`forced_accept_length`: serve with `forced_acceptance` (the settings must be explicit)."""
         raise NotImplementedError
+
+    def forced_acceptance(self, accept_length: float, num_steps: int) -> ForcedAcceptance:
+        """How this engine is made to accept `accept_length` tokens per verify at `num_steps` draft
+        steps; ServerConfigError when it has no way."""
+        raise ServerConfigError(f"engine {self.name!r} has no known way to force an accept length")
 
     # ---- log classification ----------------------------------------------------------------
     def classify(self, line: str) -> tuple[str | None, bool, bool, bool]:
@@ -225,6 +247,30 @@ def speculative_flags(spec: SpeculativeConfig | None, draft_path: str | None) ->
                   "--speculative-eagle-topk", str(spec.eagle_topk),
                   "--speculative-num-draft-tokens", str(spec.num_draft_tokens)]
     return flags
+
+
+def _forced(engine: Engine, spec: SpeculativeConfig | None, draft_path: str | None,
+            accept_length: float | None) -> ForcedAcceptance | None:
+    """The engine's forced acceptance for a launch, checked: a drafter, explicit settings, and an
+    accept length a chain of num_steps drafts can reach ([1, num_steps + 1])."""
+    if accept_length is None:
+        return None
+    if draft_path is None or spec is None or not spec.is_set:
+        raise ServerConfigError(f"{engine.name}: a forced accept length needs a drafter and explicit speculative "
+                                f"settings (num_steps / eagle_topk / num_draft_tokens)")
+    if not 1.0 <= accept_length <= spec.num_steps + 1:
+        raise ServerConfigError(f"{engine.name}: forced accept length {accept_length:g} is out of reach of "
+                                f"{spec.num_steps} draft steps: it must be in [1, {spec.num_steps + 1}]")
+    return engine.forced_acceptance(accept_length, spec.num_steps)
+
+
+def _with_forced(launch: LaunchSpec, forced: ForcedAcceptance | None) -> LaunchSpec:
+    """`launch` with the forced acceptance's flags and environment (saved with the run like any)."""
+    if forced is not None:
+        launch.argv += list(forced.args)
+        launch.env.update(forced.env)
+        launch.env_overrides.update(forced.env)
+    return launch
 
 
 def _no_faults(engine: str, faults: Sequence[str]) -> None:

@@ -6,7 +6,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from drafter.serving.engines.base import (Engine, GenerateStyle, LaunchSpec, Phase, _launch_env, _no_faults,
+from drafter.serving.engines.base import (Engine, GenerateStyle, LaunchSpec, Phase, _forced, _launch_env, _no_faults,
                                           _probe_host, _rx, keep_secret_placeholders)
 from drafter.serving.engines.sglang import sglang_server_info, sglang_settings_from_info
 from drafter.serving.errors import ServerConfigError
@@ -27,9 +27,10 @@ class CommandEngine(Engine):
     generate_style: GenerateStyle = "openai"
     phases = GENERIC_PHASES
 
-    def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=()):
+    def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=(), forced_accept_length=None):
         _no_faults(self.name, faults)
         s, t = cfg.serve, cfg.target
+        _forced(self, s.speculative, draft_path, forced_accept_length)  # refused: no known knob
         if not s.command:
             raise ServerConfigError("engine 'command' needs serve.command")
         if s.extra_args:

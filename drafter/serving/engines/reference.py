@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from drafter.serving.engines.base import speculative_flags
+from drafter.serving.engines.base import ForcedAcceptance, _forced, _with_forced, speculative_flags
 from drafter.serving.engines.sglang import SGLangEngine
 from drafter.serving.errors import ServerConfigError
 
@@ -15,8 +15,9 @@ class ReferenceEngine(SGLangEngine):
 
     name = "reference"
 
-    def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=()):
+    def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=(), forced_accept_length=None):
         s, t = cfg.serve, cfg.target
+        forced = _forced(self, s.speculative, draft_path, forced_accept_length)
         if s.tp_size != 1:
             raise ServerConfigError(f"the reference engine runs on one device; serve.tp_size={s.tp_size} "
                                     f"cannot be honoured")
@@ -27,4 +28,9 @@ class ReferenceEngine(SGLangEngine):
         for fault in faults:  # test-only fault injection, e.g. "hang:load_weights"
             argv += ["--fault", fault]
         argv += list(s.extra_args)
-        return self._host_port_spec(cfg, argv, draft_path, log_dir)
+        return _with_forced(self._host_port_spec(cfg, argv, draft_path, log_dir), forced)
+
+    def forced_acceptance(self, accept_length, num_steps):
+        # reference_server.py --simulate-accept-length -> speculative.py ForcedAccepts
+        return ForcedAcceptance(accept_length, args=("--simulate-accept-length", str(float(accept_length))),
+                                source="drafter/serving/reference_server.py --simulate-accept-length")

