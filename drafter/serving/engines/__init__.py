@@ -15,8 +15,8 @@ from __future__ import annotations
 from drafter.serving.engines.answers import TOKEN_IDS_REQUEST, answer_token_ids
 from drafter.serving.engines.base import _launch_env  # noqa: F401  (sglang_rules reads it from here)
 from drafter.serving.engines.base import (
-    ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle, LaunchSpec, Phase, check_speculative_settings,
-    engine_python, keep_secret_placeholders, speculative_flags)
+    BatchSetting, ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle, LaunchSpec, PerBatchConfig, Phase,
+    check_speculative_settings, engine_python, keep_secret_placeholders, speculative_flags)
 from drafter.serving.engines.command import GENERIC_PHASES, CommandEngine
 from drafter.serving.engines.reference import ReferenceEngine
 from drafter.serving.engines.sglang import (
@@ -30,8 +30,8 @@ from drafter.serving.metrics import (
     vllm_spec_counters)
 
 __all__ = [
-    "TOKEN_IDS_REQUEST", "answer_token_ids", "ConfigErrorLine", "Engine", "ForcedAcceptance", "GenerateStyle",
-    "LaunchSpec", "Phase",
+    "TOKEN_IDS_REQUEST", "answer_token_ids", "BatchSetting", "ConfigErrorLine", "Engine", "ForcedAcceptance",
+    "GenerateStyle", "LaunchSpec", "PerBatchConfig", "Phase",
     "check_speculative_settings", "engine_python", "keep_secret_placeholders", "speculative_flags",
     "GENERIC_PHASES", "CommandEngine", "ReferenceEngine", "SGLANG_CONFIG_ERRORS", "SGLANG_FATAL",
     "SGLANG_OPTION_FLAGS", "SGLANG_PHASES", "SGLANG_READY", "SGLangEngine", "sglang_server_info",

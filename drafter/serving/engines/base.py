@@ -6,8 +6,9 @@ An `Engine` knows four things about a server program: how to launch it from a va
 "this configuration cannot run on this host", a failed start that no retry will fix), how to ask a
 running server which speculative settings it ACTUALLY uses (`read_settings`; field note 3: a flag
 can be quietly rewritten), how to read its acceptance counters (`metrics_snapshot` /
-`accept_length`), and how to make it accept a set number of drafts whatever the drafter proposes
-(`forced_acceptance`: the bench's accept-length curve).
+`accept_length`), how to make it accept a set number of drafts whatever the drafter proposes
+(`forced_acceptance`: the bench's accept-length curve), and how it is configured with a setting
+per batch size (`per_batch_size`: the bench's deployable settings).
 
 This module holds the base class, the launch spec (`LaunchSpec`), start-up phases, the helpers the
 engines' command lines share (SGLang-style speculative flags, option tables, the launch
@@ -110,6 +111,33 @@ class ForcedAcceptance:
     source: str = ""
 
 
+@dataclass(frozen=True)
+class BatchSetting:
+    """What to serve at one batch size: a speculative setting with its drafter, or nothing
+    (`speculative` and `draft_path` None: no speculation)."""
+
+    batch_size: int
+    speculative: SpeculativeConfig | None = None
+    draft_path: str | None = None
+
+
+@dataclass(frozen=True)
+class PerBatchConfig:
+    """An engine's own configuration for a setting per batch size: `one_server`, the arguments of one
+    server that picks the setting by batch size itself, or (None) `per_batch`, the speculative
+    arguments of one server per batch size (an engine that takes one setting per server). `note`:
+    how the engine reads it, and what was not measured."""
+
+    one_server: tuple[str, ...] | None
+    per_batch: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"one_server": list(self.one_server) if self.one_server is not None else None,
+                "per_batch": {str(bs): list(args) for bs, args in sorted(self.per_batch.items())},
+                "note": self.note}
+
+
 # --------------------------------------------------------------------------------------------
 # Engine base
 # --------------------------------------------------------------------------------------------
@@ -141,6 +169,22 @@ class Engine:
         """How this engine is made to accept `accept_length` tokens per verify at `num_steps` draft
         steps; ServerConfigError when it has no way."""
         raise ServerConfigError(f"engine {self.name!r} has no known way to force an accept length")
+
+    # ---- deploying a setting per batch size -------------------------------------------------
+    # How this engine takes its speculative setting: one per server (SGLang's server arguments).
+    per_batch_note: str = ("One speculative setting per server: launch one server per batch size, or the one for "
+                           "the batch size it will serve.")
+
+    def speculative_args(self, spec: SpeculativeConfig | None, draft_path: str | None) -> list[str]:
+        """The launch arguments that serve `spec` with the drafter at `draft_path` (none: no
+        speculation), as `build_launch` writes them."""
+        return speculative_flags(spec, draft_path)
+
+    def per_batch_size(self, settings: Sequence[BatchSetting]) -> PerBatchConfig:
+        """This engine's configuration for `settings` (one per batch size). Here: an engine that
+        takes one setting per server, so the speculative arguments of one server per batch size."""
+        return PerBatchConfig(None, {s.batch_size: tuple(self.speculative_args(s.speculative, s.draft_path))
+                                     for s in settings}, self.per_batch_note)
 
     # ---- log classification ----------------------------------------------------------------
     def classify(self, line: str) -> tuple[str | None, bool, bool, bool]:

@@ -24,6 +24,9 @@ class CommandEngine(Engine):
     OpenAI-compatible listing and a 1-token completion work."""
 
     name = "command"
+    # the bench appends SGLang's speculative flags to serve.command (drafter.bench.plan.server_config)
+    per_batch_note = ("Engine command: the speculative arguments are appended to serve.command, as the bench "
+                      "launched it; one server per batch size.")
     generate_style: GenerateStyle = "openai"
     phases = GENERIC_PHASES
 

@@ -14,6 +14,8 @@ class ReferenceEngine(SGLangEngine):
     SGLang start-up lines and SGLang-compatible endpoints, so it shares the SGLang readers."""
 
     name = "reference"
+    per_batch_note = ("The reference engine takes one speculative setting per server: launch one server per batch "
+                      "size, or the one for the batch size it will serve.")
 
     def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=(), forced_accept_length=None):
         s, t = cfg.serve, cfg.target

@@ -108,6 +108,15 @@ class SGLangEngine(Engine):
     fatal_patterns = SGLANG_FATAL
     config_error_patterns = SGLANG_CONFIG_ERRORS
 
+    # srt/arg_groups/fields/spec.py: --speculative-num-steps / -eagle-topk / -num-draft-tokens are server
+    # arguments. --speculative-adaptive with --speculative-adaptive-config (candidate steps per batch-size
+    # slot, topk 1 only: srt/speculative/adaptive_spec_params.py) picks among a slot's candidates at run
+    # time from the accept length it sees: a server this bench did not measure, so not what we emit.
+    per_batch_note = ("SGLang 0.5.23 takes one speculative setting per server: launch one server per batch size, "
+                      "or the one for the batch size it will serve. (Its --speculative-adaptive-config gives "
+                      "candidate steps per batch-size slot, topk 1 only, chosen at run time from the accept length "
+                      "it sees: a server not measured here.)")
+
     def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=(), forced_accept_length=None):
         _no_faults(self.name, faults)
         s, t = cfg.serve, cfg.target

@@ -12,8 +12,9 @@ from typing import Any
 import httpx
 
 from drafter.config import SpeculativeConfig
-from drafter.serving.engines.base import (ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle, Phase, _forced,
-                                          _no_faults, _option_flags, _rx, _speculates, engine_python)
+from drafter.serving.engines.base import (BatchSetting, ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle,
+                                          PerBatchConfig, Phase, _forced, _no_faults, _option_flags, _rx, _speculates,
+                                          engine_python)
 from drafter.serving.errors import ServerConfigError
 from drafter.serving.metrics import counters_delta, vllm_accept_length, vllm_spec_counters
 
@@ -149,6 +150,45 @@ class VLLMEngine(Engine):
         if forced is not None:
             conf.update(forced.speculative_config)
         return ["--speculative-config", json.dumps(conf, separators=(",", ":"))]
+
+    def speculative_args(self, spec, draft_path):
+        return self._speculative_config(spec, draft_path)
+
+    def per_batch_size(self, settings):
+        """One server: vLLM 0.32's `num_speculative_tokens_per_batch_size` in `--speculative-config`
+        (config/speculative.py:491), a list of `[first batch size, last batch size, draft tokens]`,
+        inclusive, the first starting at 1, 0 = no speculation (v1/spec_decode/dynamic/utils.py
+        validate_and_normalize_dynamic_sd_schedule); the scheduler looks the count up by the number of
+        requests in the step (v1/core/sched/scheduler.py:1487), each capped at `num_speculative_tokens`,
+        the largest here. Batch sizes between the measured ones take the setting of the one below
+        them, larger ones the largest's (vLLM carries the last entry forward). Settings of different
+        drafters or with vLLM's default token count cannot share one schedule: then one server per
+        batch size."""
+        ordered = sorted(settings, key=lambda s: s.batch_size)
+        chosen = [s for s in ordered if s.speculative is not None or s.draft_path is not None]
+        if not chosen:
+            return PerBatchConfig((), {}, "No speculation at any measured batch size: launch vLLM without "
+                                          "--speculative-config.")
+        drafters = {s.draft_path for s in chosen}
+        if len(drafters) > 1 or any(s.speculative is None or not s.speculative.is_set for s in chosen):
+            why = ("the batch sizes' best settings use different drafters" if len(drafters) > 1 else
+                   "a best setting leaves the draft token count to vLLM's default")
+            return PerBatchConfig(None, super().per_batch_size(settings).per_batch,
+                                  f"One vLLM server cannot take these as num_speculative_tokens_per_batch_size: "
+                                  f"{why}. One server per batch size instead.")
+        tokens = {s.batch_size: s.speculative.num_steps if s.speculative is not None else 0 for s in ordered}
+        widest = max(chosen, key=lambda s: s.speculative.num_steps)
+        conf = json.loads(self._speculative_config(widest.speculative, widest.draft_path)[1])
+        sizes = [s.batch_size for s in ordered]
+        conf["num_speculative_tokens_per_batch_size"] = [
+            [1 if i == 0 else bs, sizes[i + 1] - 1 if i + 1 < len(sizes) else bs, tokens[bs]]
+            for i, bs in enumerate(sizes)]
+        return PerBatchConfig(("--speculative-config", json.dumps(conf, separators=(",", ":"))), {}, (
+            "vLLM 0.32 switches by batch size itself (num_speculative_tokens_per_batch_size: [first batch size, last "
+            "batch size, draft tokens], inclusive, from 1; 0 = no speculation; sizes above the last entry keep its "
+            "count). Each setting was measured on a server of its own, not this one: measure it before relying on "
+            "it. vLLM runs such a server with piecewise CUDA graphs on its V1 model runner and ignores the schedule "
+            "with data parallel > 1 (vllm/config/vllm.py)."))
 
     def read_settings(self, client, log_text=""):
         # vLLM has no server-info endpoint: the served model comes from /v1/models, the
