@@ -127,6 +127,8 @@ def _run_stage(name: str, cfg: LifecycleConfig, on_line=None):
     typer.echo(result.outcome())
     for line in result.summary:
         typer.echo(line)
+    if result.headline:
+        typer.echo(f"answer: {result.headline}")
     return result
 
 

@@ -42,7 +42,7 @@ def stage_flow(stage: Stage, table: StageTable) -> Flow:
         state = run_task(cfg, fingerprints, return_state=True)
         result = state.result()  # the stage's error fails this subflow as well
         # a skipped stage says so on its subflow too, not only on its task run
-        return Completed(message=state.message, data=result) if result["skipped"] else result
+        return Completed(name=state.name, message=state.message, data=result) if result["skipped"] else result
 
     run.__doc__ = stage.description
     return flow(run, name=stage.name, log_prints=True, **(REAP if stage.starts_servers else {}))
@@ -131,26 +131,42 @@ def lifecycle_flow(table: StageTable) -> Flow:
     return flow(drafter_lifecycle, name="drafter-lifecycle", log_prints=True, **REAP)
 
 
+def answer_line(result: dict) -> str:
+    """A stage's headline (the bench's answer) with the run that wrote its output: the last line of
+    the parent run's log, which `make demo` prints last."""
+    where = result.get("written_by")
+    return f"answer: {result['headline']}" + (f"; from run {where}" if where else "")
+
+
 def _summarise(ordered: list[Stage], results: dict[str, dict], failure: Optional[StageFailure]) -> None:
     """One line per selected stage in the parent run's log (what `make demo` prints) and a table
-    artifact, written whether or not the run got through: the failed stage and those not run marked."""
+    artifact, written whether or not the run got through: the failed stage and those not run marked.
+    Then each stage's headline (the bench's answer), with the run that wrote it."""
     rows = []
     for stage in ordered:
         result = results.get(stage.name)
         if result is not None:
             state = {"skipped": "skipped (output already complete)"}.get(result["status"], result["status"])
-            print(f"stage {stage.name}: {state} {result['uri'] or ''}")
+            writer = result.get("written_by") if result["skipped"] else None
+            written = f" (written by run {writer})" if writer else ""
+            print(f"stage {stage.name}: {state} {result['uri'] or ''}{written}")
             for line in result.get("summary") or []:  # the stage's own figures (accept lengths, the bench table)
                 print(f"stage {stage.name} | {line}")
-            rows.append({"stage": stage.name, "state": state, "where": result["uri"] or "", "reason": ""})
+            rows.append({"stage": stage.name, "state": state, "where": result["uri"] or "", "reason": "",
+                         "written by": result.get("written_by") or ""})
         elif failure is not None and failure.stage == stage.name:
             print(f"stage {stage.name}: {failure.verb}")
-            rows.append({"stage": stage.name, "state": failure.verb, "where": failure.where, "reason": failure.reason})
+            rows.append({"stage": stage.name, "state": failure.verb, "where": failure.where, "reason": failure.reason,
+                         "written by": ""})
         else:
             print(f"stage {stage.name}: {NOT_RUN}")
-            rows.append({"stage": stage.name, "state": NOT_RUN, "where": "", "reason": ""})
+            rows.append({"stage": stage.name, "state": NOT_RUN, "where": "", "reason": "", "written by": ""})
     if failure is not None and failure.stage == "target":
-        rows.insert(0, {"stage": "target", "state": failure.verb, "where": failure.where, "reason": failure.reason})
+        rows.insert(0, {"stage": "target", "state": failure.verb, "where": failure.where, "reason": failure.reason,
+                        "written by": ""})
+    for stage in ordered:
+        if (results.get(stage.name) or {}).get("headline"):
+            print(answer_line(results[stage.name]))
     create_table_artifact(key="lifecycle-summary", table=rows,
                           description="drafter-lifecycle stages" + (f": {failure.line()}" if failure else ""))
 

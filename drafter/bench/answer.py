@@ -171,4 +171,5 @@ def deploy(summary: Mapping[str, Any], plan: Any) -> dict[str, Any]:
     servers = {s.key: s for s in plan.servers}
     chosen = [BatchSetting(c["batch_size"], servers[c["key"]].speculative, servers[c["key"]].draft_path)
               if c["key"] is not None else BatchSetting(c["batch_size"]) for c in choices]
-    return {"choices": choices, "engine": plan.engine, "config": make_engine(plan.engine).per_batch_size(chosen).to_dict()}
+    return {"choices": choices, "engine": plan.engine,
+            "config": make_engine(plan.engine).per_batch_size(chosen).to_dict()}

@@ -71,11 +71,13 @@ class Built:
 @dataclass(frozen=True)
 class Summary:
     """A committed output's lines (CLI, run log) and table (report); `meta` replaces the manifest
-    meta in the result when a stage keeps a bulky part of it out of task results."""
+    meta in the result when a stage keeps a bulky part of it out of task results; `headline` the
+    one line a person asks the stage for (the bench's answer), printed last."""
 
     lines: Sequence[str]
     table: Sequence[dict] = ()
     meta: dict | None = None
+    headline: str = ""
 
 
 @dataclass(frozen=True)
@@ -190,4 +192,5 @@ def _shared(inputs, out):
 
 def _committed(code: ModuleType, inputs, out: StageOutput, skipped: bool) -> StageResult:
     summary = code.summarize(inputs, out)
-    return StageResult.committed(out.manifest, out.uri, skipped, summary.lines, summary.table, summary.meta)
+    return StageResult.committed(out.manifest, out.uri, skipped, summary.lines, summary.table, summary.meta,
+                                 summary.headline)

@@ -197,7 +197,8 @@ def test_a_refusing_gate_ends_the_run_failed_with_its_reason(tmp_path, tiny_targ
             any_=[r.id for r in prepare_runs])))
         first, again = sorted(prepare_tasks, key=lambda t: t.created)[-2:]
         assert again.state.is_completed()
-        assert again.state.message == f"skipped: output already complete at {passed['prepare']['uri']}"
+        assert again.state.message.startswith(f"skipped: output already complete at {passed['prepare']['uri']} "
+                                              f"(written by run ")  # the failed run's prepare wrote it
         assert not (first.state.message or "").startswith("skipped")  # the run that wrote it
         assert _latest(prepare_runs).state.message == again.state.message  # the stage's subflow says it too
         assert artifact(client, "gate-verdict").data.startswith("## gate: passed")
