@@ -77,14 +77,24 @@ def rope_inv_freq(config: Eagle3DraftConfig) -> torch.Tensor:
     return inv.float()
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, D]; positions: [B, T]. HF's rotate-half convention."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, T, D] for positions [B, T] (float32 math, then `dtype`)."""
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2], float32 always
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]                           # [B, 1, T, D]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE with precomputed cos/sin."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, D]; positions: [B, T]. HF's rotate-half convention."""
+    return rotate(x, *rope_cos_sin(positions, inv_freq, x.dtype))
 
 
 class DraftKVCache:
@@ -129,17 +139,18 @@ class Eagle3Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.inv_freq.device != x.device:
             self.inv_freq = self.inv_freq.to(x.device)
-        q, k = apply_rope(q, positions, self.inv_freq), apply_rope(k, positions, self.inv_freq)
+        # One cos/sin for q and k, and SDPA's own GQA instead of repeating k/v: the same numbers
+        # (tests/core/test_model.py), fewer ops on the serving path, where a draft step's cost decides
+        # whether speculation pays.
+        cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         past = 0 if cache is None else len(cache)
         if cache is not None:
             k, v = cache.append(k, v)
         if attn_mask is None and t > 1:
             # Causal over [cache + new]: new query i sees keys 0 .. past + i.
             attn_mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
-        groups = self.heads // self.kv_heads
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 

@@ -9,6 +9,7 @@ embedding output). This is what SGLang captures for the draft config's ids.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from dataclasses import dataclass
@@ -145,5 +146,11 @@ def crop_cache(cache, length: int) -> None:
     current = cache.get_seq_length()
     if length >= current:
         return
-    param = next(iter(inspect.signature(cache.crop).parameters))
-    cache.crop(length - current if param == "tokens_to_remove" else length)
+    cache.crop(length - current if _crop_takes_tokens_to_remove(type(cache)) else length)
+
+
+@functools.lru_cache(maxsize=None)
+def _crop_takes_tokens_to_remove(cache_type: type) -> bool:
+    """Read once per cache class (not on every verify of the decode loop)."""
+    params = list(inspect.signature(cache_type.crop).parameters)  # unbound: [self, <length>]
+    return params[1:2] == ["tokens_to_remove"]

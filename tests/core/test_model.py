@@ -190,6 +190,27 @@ def test_midlayer_math_follows_sglang():
             model.project(torch.randn(1, 1, 50))
 
 
+def test_attention_fast_path_equals_the_plain_formula():
+    """The serving attention (one cos/sin for q and k, SDPA's own GQA) gives exactly the numbers of
+    the plain formula: RoPE on q and k separately, k/v repeated per query head, causal SDPA."""
+    model = _random_drafter(seed=2)
+    attn = model.midlayer.self_attn
+    x, pos = torch.randn(1, 6, 64), torch.arange(10, 16)[None]
+    with torch.no_grad():
+        q = attn.q_proj(x).view(1, 6, 4, 8).transpose(1, 2)
+        k = attn.k_proj(x).view(1, 6, 2, 8).transpose(1, 2)
+        v = attn.v_proj(x).view(1, 6, 2, 8).transpose(1, 2)
+        q, k = apply_rope(q, pos, attn.inv_freq), apply_rope(k, pos, attn.inv_freq)
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        expected = attn.o_proj(out.transpose(1, 2).reshape(1, 6, 32))
+        cache = DraftKVCache()
+        prefix = attn(x[:, :4], pos[:, :4], cache, None)
+        steps = [attn(x[:, i:i + 1], pos[:, i:i + 1], cache, None) for i in (4, 5)]
+    assert torch.equal(attn(x, pos, None, None), expected)
+    assert torch.allclose(torch.cat([prefix] + steps, 1), expected, atol=1e-6)
+
+
 def test_training_unroll_matches_serving_draft_steps():
     """The same module trains with a TTT unroll: row t at step k == serving draft step k from t."""
     model = _random_drafter(seed=2)
