@@ -67,12 +67,14 @@ def champion_verdict(result, error: BaseException | None = None) -> str | None:
 
 
 def bench_verdict(result, error: BaseException | None = None) -> str | None:
-    """The recommendation per batch size (or why there is none), then every setting's figures."""
+    """The answer (faster or not, by how much, on which engine), the recommendation per batch size
+    (or why there is none), then every setting's figures."""
     from drafter.bench import BenchError
 
     if error is not None:
         return _refusal("bench", error, (BenchError,))
     recs = result.meta.get("recommendation") or {}
-    decided = [f"**batch {bs}: {rec['text']}**" for bs, rec in recs.items()]
+    decided = ([f"**{result.headline}**"] if result.headline else []) + [
+        f"**batch {bs}: {rec['text']}**" for bs, rec in recs.items()]
     rest = [line for line in result.summary if not line.startswith("batch ")]  # the recommendations lead
     return _markdown("bench: recommendation", [*decided, *rest], result.table)

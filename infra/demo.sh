@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: build the demo target once, start a local Prefect server + worker, run the `full`
 # deployment with the demo profile through the server, show where the outputs are, stop what we started.
+# The last line is the answer: faster or not, by how much, on which engine, and the run that measured it.
 set -euo pipefail
 source "$(dirname "$0")/prefect-env.sh"
 cd "$ROOT"
@@ -14,3 +15,4 @@ run_deployment drafter-lifecycle/full last-demo-run.log
 echo "== outputs"
 "$VENV/bin/drafter" outputs --config "$PROFILE"
 ui_hint
+answer_line

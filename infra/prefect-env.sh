@@ -24,7 +24,7 @@ mkdir -p "$RUN_DIR"
 # the stage lines of its log. $2: the log file's name under $RUN_DIR. When the run fails: the failed
 # stage's one-line reason (the run's state message), where to look, then exit with --watch's code.
 run_deployment() {
-  local deployment="$1" run_log="$RUN_DIR/$2" run_id rc=0
+  local deployment="$1" run_log="$RUN_DIR/$2" run_id run_lines rc=0
   started_here=0
   if [ ! -f "$RUN_DIR/server.pid" ]; then started_here=1; fi
   trap 'if [ "$started_here" = 1 ]; then "$ROOT/infra/prefect-down.sh"; fi' EXIT
@@ -39,13 +39,22 @@ run_deployment() {
   RUN_URL=$(grep -oE 'URL: http[^ ]+' "$run_log" | head -1 | sed 's/^URL: //')
   [ -n "$run_id" ] || { echo "no flow run was created (see above)" >&2; exit 1; }
   echo "== stages (from the flow run's log)"
-  "$PREFECT" flow-run logs "$run_id" 2>/dev/null | grep -oE 'stage [a-z]+(:| \|) .*' || echo "(see the Prefect UI for run $run_id)"
+  run_lines=$("$PREFECT" flow-run logs "$run_id" 2>/dev/null || true)
+  grep -oE 'stage [a-z]+(:| \|) .*' <<<"$run_lines" || echo "(see the Prefect UI for run $run_id)"
+  # the run's answer (the bench's: faster or not, by how much, on which engine, and the run that
+  # measured it), the last line the demo prints (answer_line)
+  ANSWER=$(grep -oE 'answer: .*' <<<"$run_lines" | tail -1 || true)
   "$VENV/bin/python" "$ROOT/infra/run_state.py" "$run_id" || rc=$?
   if [ "$rc" != 0 ]; then
     echo "logs: $RUN_DIR/worker.log (the worker and its flow runs), $run_log (this watch)"
     ui_hint
     exit "$rc"
   fi
+}
+
+# The run's answer (run_deployment read it from the run's log): the demo's last line.
+answer_line() {
+  [ -z "${ANSWER:-}" ] || echo "$ANSWER"
 }
 
 # Where the run is in the UI, and how to open it once the demo has stopped the server it started.

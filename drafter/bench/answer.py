@@ -82,7 +82,8 @@ def setting_lines(summary: Mapping[str, Any], plan: Mapping[str, Any],
 def best_per_batch(summary: Mapping[str, Any], plan: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per batch size: the setting to deploy, the significantly faster one with the highest speedup
     (none on a machine whose baseline drifted), and the best point estimate otherwise, for the
-    record. `{"batch_size", "key" (None: no speculation), "config", "speedup", "best", "why"}`."""
+    record. `{"batch_size", "key" (None: no speculation), "config", "speedup", "best", "why",
+    "undecided"}`."""
     real = settings(plan)
     drift = _by_batch(summary.get("drift", {}))
     out = []
@@ -92,7 +93,7 @@ def best_per_batch(summary: Mapping[str, Any], plan: Mapping[str, Any]) -> list[
         faster = [r for r in rows if r["speedup"]["verdict"] == "faster"]
         d = drift.get(bs) or {}
         if d.get("unstable"):
-            why = (f"undecided: the baseline moved {d['relative_change']:+.1%} between its first and last rounds "
+            why = (f"the baseline moved {d['relative_change']:+.1%} between its first and last rounds "
                    f"(tolerance {d['tolerance']:.0%}); re-run on a quiet machine")
             choice = None
         elif faster:
@@ -104,7 +105,8 @@ def best_per_batch(summary: Mapping[str, Any], plan: Mapping[str, Any]) -> list[
         out.append({"batch_size": bs, "key": choice["key"] if choice else None,
                     "config": choice["config"] if choice else None,
                     "speedup": choice["speedup"] if choice else None,
-                    "best": {"config": best["config"], "speedup": best["speedup"]} if best else None, "why": why})
+                    "best": {"config": best["config"], "speedup": best["speedup"]} if best else None, "why": why,
+                    "undecided": bool(d.get("unstable"))})
     return out
 
 
@@ -116,7 +118,7 @@ def _at(choice: Mapping[str, Any]) -> tuple[str, str]:
     if best is None:
         return "not measured", choice["why"]
     figures = f"the best setting, {best['config']}, at {speedup_text(best['speedup'])}, {best['speedup']['verdict']}"
-    if choice["why"].startswith("undecided"):
+    if choice.get("undecided"):
         return "undecided", f"{figures}; {choice['why']}"
     return "not faster", figures
 
@@ -143,7 +145,8 @@ def deploy_section(choices: Sequence[Mapping[str, Any]], engine: str, config: Ma
         if c["key"] is not None:
             parts.append(f"- batch {c['batch_size']}: {c['config']}, {speedup_text(c['speedup'])} faster")
         else:
-            parts.append(f"- batch {c['batch_size']}: no speculation ({c['why']})")
+            parts.append(f"- batch {c['batch_size']}: no speculation ("
+                         + ("undecided: " if c.get("undecided") else "") + f"{c['why']})")
     parts.append("")
     if config.get("one_server") is not None:
         args = config["one_server"]
@@ -173,3 +176,17 @@ def deploy(summary: Mapping[str, Any], plan: Any) -> dict[str, Any]:
               if c["key"] is not None else BatchSetting(c["batch_size"]) for c in choices]
     return {"choices": choices, "engine": plan.engine,
             "config": make_engine(plan.engine).per_batch_size(chosen).to_dict()}
+
+
+def with_answer(md: str, headline: str, lines: Sequence[str], deploy_md: Sequence[str] = ()) -> str:
+    """The report's markdown (drafter.bench.report.markdown) with the answer first (before the
+    recommendation), each setting's line after the results table, and the deployable settings per
+    batch size last."""
+    first = md.find("## Recommendation")
+    if first >= 0:
+        md = md[:first] + f"## Answer\n\n{headline}\n\n" + md[first:]
+    results = md.find("## Results")
+    after = md.find("\n## ", results + 1) if results >= 0 else -1
+    each = "## Each setting\n\n" + "".join(f"- {line}\n" for line in lines) + "\n"
+    md = md[:after + 1] + each + md[after + 1:] if after >= 0 else md + "\n" + each
+    return md + ("\n" + "\n".join(deploy_md).rstrip() + "\n" if deploy_md else "")

@@ -13,6 +13,11 @@ export (the challenger) and with the registry's champion it faces (Registry.oppo
 report adds challenger / champion throughput over paired rounds (`head_to_head`), which the
 `champion` stage reads before its verdict. Without a champion yet, only the challenger is benched.
 
+The report leads with the answer (faster or not, by how much, with the interval, on which engine:
+the stage's headline), gives each setting's speedup with its accept length next to its break-even,
+and, over several batch sizes, ends with the best setting per batch size as the engine's own
+configuration (drafter.bench.answer, Engine.per_batch_size).
+
 Output (`bench/<fingerprint>/`): one shard per measurement, launch and failure (see
 drafter.bench.sweep), then `report.md`, `report.json` and `report.png`, committed last. Measurements
 are not bitwise reproducible; the fingerprint names what the sweep IS (bench section, the serve
@@ -23,9 +28,11 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 from dataclasses import dataclass
 
 from drafter.bench import BenchError
+from drafter.bench.answer import answer, deploy, deploy_section, ordered, setting_lines, with_answer
 from drafter.bench.plan import BASELINE, SweepPlan, plan_sweep
 from drafter.bench.report import head_to_head_rows, markdown, plot_png, table_rows
 from drafter.bench.stats import head_to_head
@@ -87,14 +94,27 @@ def _settings(cfg: LifecycleConfig) -> dict:
 
 def summarize(inputs: Inputs, out: StageOutput) -> Summary:
     report = json.loads(out.read_shard("report.json"))
-    rows = report["table"]
-    summary = [f"{r['config']} @ batch {r['batch']}: {r['output tok/s']} tok/s, {r['speedup [CI]']}, "
-               f"{r['verdict']}, accept {r['accept length']} (break-even {r['break-even accept']})" for r in rows]
+    rows = ordered(report["table"])  # report.json's keys are sorted: the table's reading order again
+    summary = setting_lines(report["summary"], report["plan"], report["failures"])
     summary += [f"batch {bs}: {rec['text']}" for bs, rec in report["summary"]["recommendation"].items()]
     summary += [f"challenger vs champion, {r['setting']} @ batch {r['batch']}: {r['challenger / champion tok/s [CI]']}, "
                 f"{r['verdict']}" for r in head_to_head_rows(report.get("head_to_head") or [])]
+    summary += deploy_lines(report.get("deploy"))
     summary.append(f"report: {out.store.uri(out.key('report.md'))}")
-    return Summary(summary, rows)
+    headline = answer(report["summary"], report["plan"], report["settings"]["confidence"])
+    return Summary(summary, rows, headline=headline)
+
+
+def deploy_lines(deployed: dict | None) -> list[str]:
+    """The engine's configuration for the best setting per batch size (several batch sizes only)."""
+    if not deployed:
+        return []
+    conf, engine = deployed["config"], deployed["engine"]
+    if conf["one_server"] is not None:
+        return [f"deploy: one {engine} server for every batch size: "
+                + (shlex.join(conf["one_server"]) or "no speculative arguments")]
+    return [f"deploy: batch {bs} on {engine}: " + (shlex.join(args) or "no speculative arguments (no speculation)")
+            for bs, args in conf["per_batch"].items()]
 
 
 def build(inputs: Inputs, out: StageOutput) -> Built:
@@ -136,7 +156,7 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
     b = cfg.bench
     summary = summarize_measurements(outcome.measurements, servers, plan.batch_sizes, confidence=b.confidence,
                         samples=b.bootstrap_samples, seed=b.seed, drift_tolerance=b.drift_tolerance)
-    rows = table_rows(summary, outcome.failures)
+    rows = ordered(table_rows(summary, outcome.failures))
     versus = head_to_head(outcome.measurements, plan.head_to_head_pairs(), plan.batch_sizes, confidence=b.confidence,
                           samples=b.bootstrap_samples, seed=b.seed)
     hw = hardware()
@@ -150,9 +170,12 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
     if cfg.serve.engine == "command":
         notes.append("engine command: TTFT and inter-token latency are not measured (no known streaming API)")
     plan_d = plan.to_dict()
+    deployed = deploy(summary, plan) if len(plan.batch_sizes) > 1 else None
     md = markdown(summary, rows, plan=plan_d, failures=outcome.failures, launches=outcome.launches,
                   hardware=hw, settings=_settings(cfg), notes=notes, head_to_head=versus)
-    report = {"summary": summary, "table": rows, "plan": plan_d, "failures": outcome.failures,
+    md = with_answer(md, answer(summary, plan_d, b.confidence), setting_lines(summary, plan_d, outcome.failures),
+                     deploy_section(deployed["choices"], plan.engine, deployed["config"]) if deployed else ())
+    report = {"summary": summary, "table": rows, "plan": plan_d, "failures": outcome.failures, "deploy": deployed,
               "launches": outcome.launches, "hardware": hw, "settings": _settings(cfg), "notes": notes,
               "drafters": identity, "drafter_paths": drafters, "head_to_head": versus,
               "measurements": len(outcome.measurements),

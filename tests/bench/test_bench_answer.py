@@ -76,7 +76,11 @@ def test_the_answer_says_faster_or_not_by_how_much_with_the_interval_on_which_en
     assert "], slower (speedup over no speculation)" in slower
     drifting = answer(sweep({1: {"eagle3-s3-k1-d4": 1.5}}, drift=0.1), PLAN)
     assert drifting.startswith("undecided on engine vllm at batch 1: the best setting, EAGLE3 3/1/4, at 1.")
-    assert "the baseline moved -" in drifting and "re-run" in drifting
+    assert "the baseline moved -" in drifting and "re-run" in drifting and drifting.count("undecided") == 1
+    choices = best_per_batch(sweep({1: {"eagle3-s3-k1-d4": 1.5}}, drift=0.1), PLAN)
+    assert choices[0]["key"] is None and choices[0]["undecided"]
+    assert deploy_section(choices, "vllm", {"one_server": ()})[2].startswith(
+        "- batch 1: no speculation (undecided: the baseline moved -")
     several = answer(sweep({1: {"eagle3-s3-k1-d4": 1.5}, 8: {"eagle3-s3-k1-d4": 0.9}}), PLAN)
     assert several.startswith("on engine vllm (speedup over no speculation): batch 1 faster: EAGLE3 3/1/4 at 1.50x [")
     assert "; batch 8 not faster: the best setting, EAGLE3 3/1/4, at 0.90x [" in several
@@ -171,3 +175,59 @@ print(json.dumps({{"k": lookup[1:], "model": spec["model"]}}))
     assert out.returncode == 0, out.stdout + out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["model"] == "/d" and got["k"] == [3, 3, 3] + [1] * 12 + [0] * 17, shlex.join(conf.one_server)
+
+
+def _report(s: dict, plan: dict, deployed: dict | None = None) -> dict:
+    """A report.json as the bench stage writes it (sorted keys)."""
+    report = {"summary": s, "table": ordered(table_rows(s, {})), "plan": plan, "failures": {}, "deploy": deployed,
+              "settings": {"confidence": 0.95}, "head_to_head": []}
+    return json.loads(json.dumps(report, sort_keys=True))
+
+
+def test_the_bench_stage_summary_reads_the_table_in_order_and_answers(tmp_path):
+    """A committed report.json (sorted keys, as written): the stage's table in reading order, one line
+    per setting with accept length vs break-even, the engine's configuration per batch size, the answer."""
+    from drafter.stage_output import StageOutput
+    from drafter.stages import bench
+    from drafter.store import FileStore
+
+    s = sweep({1: {"eagle3-s3-k1-d4": 1.5, "eagle3-s1-k1-d2": 1.2}, 8: {"eagle3-s3-k1-d4": 0.9,
+               "eagle3-s1-k1-d2": 0.95}})
+    plan = plan_sweep(_cfg("vllm", (1, 8)), {"": "/d/vllm"})
+    out = StageOutput(FileStore(tmp_path), "bench", "0123456789abcdef")
+    out.write_shard("report.json", json.dumps(_report(s, plan.to_dict(), deploy(s, plan)), sort_keys=True))
+    out.commit({})
+    got = bench.summarize(None, out)
+    assert [list(row)[:4] for row in got.table] == [["config", "batch", "speedup [CI]", "verdict"]] * 6
+    assert got.lines[1].startswith("EAGLE3 3/1/4 @ batch 1: 1.50x [") and "vs break-even 1.55" in got.lines[1]
+    conf = json.dumps({"method": "eagle3", "model": "/d/vllm", "num_speculative_tokens": 3,
+                       "num_speculative_tokens_per_batch_size": [[1, 7, 3], [8, 8, 0]]}, separators=(",", ":"))
+    assert f"deploy: one vllm server for every batch size: --speculative-config '{conf}'" in got.lines
+    assert got.headline.startswith("on engine vllm (speedup over no speculation, 95% interval): batch 1 faster: "
+                                   "EAGLE3 3/1/4 at 1.50x [")
+    assert got.lines[-1] == f"report: {out.store.uri(out.key('report.md'))}"
+
+
+def test_the_report_answers_first_lists_each_setting_and_ends_with_the_deployable_settings():
+    from drafter.bench.answer import with_answer
+    from drafter.bench.report import markdown
+
+    s = sweep({1: {"eagle3-s3-k1-d4": 1.5}, 8: {"eagle3-s3-k1-d4": 0.9}})
+    plan = plan_sweep(_cfg("sglang", (1, 8)), {"": "/d"})
+    deployed = deploy(s, plan)
+    rows = ordered(table_rows(s, {}))
+    md = markdown(s, rows, plan=plan.to_dict(), failures={}, launches=[], hardware={"cpu_count": 2},
+                  settings={"num_prompts": 4, "max_tokens": 8, "ignore_eos": True, "warmup_requests": 1,
+                            "confidence": 0.95})
+    md = with_answer(md, answer(s, plan.to_dict(), 0.95), setting_lines(s, plan.to_dict()),
+                     deploy_section(deployed["choices"], "sglang", deployed["config"]))
+    titles = [line for line in md.splitlines() if line.startswith("## ")]
+    assert titles[:4] == ["## Answer", "## Recommendation", "## Results", "## Each setting"]
+    assert titles[-1] == "## Deployable settings per batch size"
+    assert "\n## Answer\n\non engine sglang (speedup over no speculation, 95% interval): batch 1 faster: " in md
+    assert "| config | batch | speedup [CI] | verdict | accept length | break-even accept | output tok/s |" in md
+    assert "\n- EAGLE3 3/1/4 @ batch 8: 0.90x [" in md and "slower, accept length 2.31 vs break-even 1.55" in md
+    assert md.rstrip().splitlines()[-1].startswith("SGLang 0.5.23 takes one speculative setting per server")
+    assert ("- batch 1: `--speculative-algorithm EAGLE3 --speculative-draft-model-path /d --speculative-num-steps 3 "
+            "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4`") in md
+    assert "- batch 8: no speculative arguments (no speculation)" in md

@@ -53,3 +53,5 @@ def test_verdicts_of_gates_that_passed():
                               ["EAGLE3 2/1/3 @ batch 1: 0.71x", "batch 1: keep the baseline", "report: file:///r.md"]))
     assert md.splitlines()[:5] == ["## bench: recommendation", "", "- **batch 1: keep the baseline**",
                                    "- EAGLE3 2/1/3 @ batch 1: 0.71x", "- report: file:///r.md"]
+    answered = StageResult(**{**result("bench", {"recommendation": {}}).__dict__, "headline": "not faster on vllm"})
+    assert bench_verdict(answered).splitlines()[2] == "- **not faster on vllm**"  # the answer leads
