@@ -15,8 +15,8 @@ from typing import Literal
 
 from drafter.errors import DrafterError
 from drafter.layers import LAYER_ID_CONVENTION
-from drafter.stage_output import Manifest, StageOutput
-from drafter.store import ObjectStore
+from drafter.stage_output import MANIFEST_NAME, Manifest, ManifestError, StageOutput
+from drafter.store import ObjectNotFound, ObjectStore
 
 PREPARE, DATAGEN, DUMP = "prepare", "datagen", "dump"
 
@@ -196,4 +196,24 @@ class ObjectNotFoundInOutput(DrafterError):
 
 CHAMPION = "champion"
 BENCH, BENCH_REPORT = "bench", "report.json"  # the bench stage's report (the champion stage reads its head-to-head)
+
+
+def stored_accept_curves(store: ObjectStore, engine: str, target: dict) -> list[dict]:
+    """Every committed bench output's accept-length curves (drafter.bench.predict; manifest meta
+    `accept_curve`) measured with `engine` on `target` (drafter.target_identity.target_identity),
+    newest output first, each with `bench` (the output's fingerprint) and `created_at`. Reads the
+    manifests only."""
+    found = []
+    for key in store.list(f"{BENCH}/"):
+        parts = key.split("/")
+        if len(parts) != 3 or parts[2] != MANIFEST_NAME:
+            continue
+        try:
+            manifest = StageOutput.committed(store, BENCH, parts[1]).manifest
+        except (ObjectNotFound, ManifestError):
+            continue  # removed meanwhile, or unreadable: not a curve to predict from
+        stored = manifest.meta.get("accept_curve")
+        if stored and stored.get("engine") == engine and stored.get("target") == target:
+            found.append((manifest.created_at, parts[1], stored["curves"]))
+    return [{**c, "bench": fp, "created_at": at} for at, fp, curves in sorted(found, reverse=True) for c in curves]
 CHAMPION_DECISION, CHAMPION_PLOT = "decision.json", "accept-length.png"

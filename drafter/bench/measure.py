@@ -15,7 +15,9 @@ What is measured, and where it comes from:
   /generate) from the answers' meta_info, sum(completion_tokens) / sum(spec_verify_ct); vLLM from
   Prometheus counter deltas around the measurement (`Engine.metrics_snapshot`), never totals;
 - draft acceptance (accepted / proposed drafts) where meta_info reports it, and per-position
-  acceptance where the engine reports it (vLLM `..._per_pos`).
+  acceptance where the engine reports it (vLLM `..._per_pos`);
+- draft accept length: 1 + accepted drafts / verifies, without SGLang's prefill token: the offline
+  judge's figure and what each engine's forced acceptance sets (drafter.bench.predict's curve).
 """
 from __future__ import annotations
 
@@ -248,6 +250,7 @@ def measure(base_url: str, api: ClientApi, prompts: Sequence[Prompt], *, batch_s
         "verify_ct": verify or None,
         "accept_length": accept,
         "draft_acceptance": (correct / proposed) if proposed else None,
+        "draft_accept_length": (1 + correct / verify) if verify and correct is not None else None,
         "accepted_per_position": per_position,
         # costs for the break-even analysis: per request, time per output token / per verify cycle
         "step_time_s": busy / tokens if tokens else None,

@@ -7,6 +7,10 @@
   duplicate (it would be a second launch of the same server).
 - ONE server per distinct configuration (field note 8: restarts are the main cost of a sweep);
   every batch size is measured on the same server.
+- With `bench.accept_curve`, every runnable setting is also served at each of those accept lengths
+  with acceptance forced (`Engine.forced_acceptance`): one more server per (setting, length), in
+  the same sweep, never recommended (drafter.bench.predict makes the curve of them). A length the
+  setting cannot reach, or an engine without a knob, is listed as skipped with the reason.
 - Interleaving (field note 6): rounds go round-robin across configurations. With one server per
   configuration that needs either every server alive at once (`concurrent`: one launch each,
   consecutive ports, one measured at a time) or a launch per (configuration, round) (`relaunch`).
@@ -45,6 +49,7 @@ class ServerPlan:
     speculative: SpeculativeConfig | None
     drafter: str = ""
     draft_path: str | None = None
+    forced_accept_length: float | None = None  # a point of the accept-length curve (timing only)
 
     @property
     def is_baseline(self) -> bool:
@@ -52,6 +57,8 @@ class ServerPlan:
 
     @property
     def label(self) -> str:
+        if self.forced_accept_length is not None:
+            return f"{describe(self.speculative)} forced accept {self.forced_accept_length:g}"
         return f"{self.drafter} {describe(self.speculative)}" if self.drafter else describe(self.speculative)
 
 
@@ -90,11 +97,19 @@ class SweepPlan:
         return [(describe(s.speculative), s.key, by[("champion", server_key(s.speculative))])
                 for s in self.servers if s.drafter == "challenger" and ("champion", server_key(s.speculative)) in by]
 
+    def curve_servers(self) -> list[dict]:
+        """Every speculative server as drafter.bench.predict.build_curves reads it."""
+        return [{"key": s.key, "setting_key": server_key(s.speculative), "setting": describe(s.speculative),
+                 "num_steps": s.speculative.num_steps, "drafter": s.drafter,
+                 "forced_accept_length": s.forced_accept_length} for s in self.servers if not s.is_baseline]
+
     def to_dict(self) -> dict:
         return {"engine": self.engine, "interleave": self.interleave, "rounds": self.rounds,
                 "batch_sizes": list(self.batch_sizes),
                 "servers": [{"key": s.key, "config": s.label, "drafter": s.drafter or None,
-                             "speculative": s.speculative.model_dump(mode="json") if s.speculative else None}
+                             "speculative": s.speculative.model_dump(mode="json") if s.speculative else None,
+                             **({"forced_accept_length": s.forced_accept_length}
+                                if s.forced_accept_length is not None else {})}
                             for s in self.servers],
                 "skipped": [s.to_dict() for s in self.skipped]}
 
@@ -126,19 +141,25 @@ def resolve_interleave(cfg: LifecycleConfig) -> Interleave:
     return "relaunch"
 
 
-def engine_problem(cfg: LifecycleConfig, spec: SpeculativeConfig, draft_path: str) -> str | None:
-    """Why the configured engine cannot run `spec`, or None. Rules beyond SGLang's own (which
-    SpeculativeConfig enforced already)."""
+def engine_problem(cfg: LifecycleConfig, spec: SpeculativeConfig, draft_path: str,
+                   forced_accept_length: float | None = None) -> str | None:
+    """Why the configured engine cannot run `spec` (with acceptance forced at that length), or
+    None. Rules beyond SGLang's own (which SpeculativeConfig enforced already)."""
     engine = cfg.serve.engine
     if engine == "reference" and spec.is_set and spec.eagle_topk != 1:
         return (f"the reference engine drafts a chain: eagle_topk must be 1, got {spec.eagle_topk} "
                 f"(its server would exit at start)")
     try:  # a dry build of the command line: the engine's own refusals (vLLM has no topk > 1)
         make_engine(engine).build_launch(server_config(cfg, ServerPlan(server_key(spec), spec, draft_path=draft_path)),
-                                         draft_path)
+                                         draft_path, forced_accept_length=forced_accept_length)
     except ServerConfigError as err:
         return err.message
     return None
+
+
+def forced_key(spec: SpeculativeConfig, accept_length: float) -> str:
+    """eagle3-s3-k1-d4-forced2.5: a point of the accept-length curve."""
+    return f"{server_key(spec)}-forced{accept_length:g}"
 
 
 def plan_sweep(cfg: LifecycleConfig, drafters: Mapping[str, str]) -> SweepPlan:
@@ -163,6 +184,18 @@ def plan_sweep(cfg: LifecycleConfig, drafters: Mapping[str, str]) -> SweepPlan:
             continue
         seen[key] = i
         servers += [ServerPlan(f"{role}-{key}" if role else key, spec, role, path) for role, path in drafters.items()]
+    # the accept-length curve: each setting served with acceptance forced (one drafter is enough:
+    # a forced cycle's cost does not depend on how good the drafter is)
+    runnable = [s.speculative for s in servers[1:] if s.drafter in ("", next(iter(drafters), ""))]
+    for spec in runnable:
+        for a in cfg.bench.accept_curve:
+            label = f"bench.accept_curve {a:g} at {describe(spec)}"
+            problem = engine_problem(cfg, spec, next(iter(drafters.values())), a)
+            if problem is not None:
+                skipped.append(Skipped(label, problem))
+                continue
+            servers.append(ServerPlan(forced_key(spec, a), spec, draft_path=next(iter(drafters.values())),
+                                      forced_accept_length=a))
     return SweepPlan(engine=cfg.serve.engine, servers=servers, batch_sizes=list(cfg.bench.batch_sizes),
                      rounds=cfg.bench.repeats, interleave=resolve_interleave(cfg), skipped=skipped)
 

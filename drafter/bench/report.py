@@ -5,7 +5,9 @@ interval; the verdict says "faster" or "slower" only when the whole interval is 
 1.0. `break-even` is the accept length the configuration needs to match the baseline on this
 machine (its verify-cycle time over the baseline's per-token step time); compare it with the
 accept length it got. A configuration is recommended only when it is significantly faster and the
-baseline did not drift.
+baseline did not drift. With `bench.accept_curve`, a section and a plot panel show speedup against
+accept length from the forced-acceptance servers, and each drafter's measured point next to the
+speedup the curve predicts at its accept length (drafter.bench.predict).
 """
 from __future__ import annotations
 
@@ -101,9 +103,48 @@ def head_to_head_rows(pairs: Sequence[dict]) -> list[dict[str, Any]]:
              "accept length champion": _ci(p["accept_length"]["champion"], "{:.2f}")} for p in pairs]
 
 
+def _interval(p: dict | None) -> str:
+    if not p:
+        return "—"
+    if p.get("low") is None or p.get("high") is None:
+        return f"{p['speedup']:.2f}x (no interval)"
+    return f"{p['speedup']:.2f}x [{p['low']:.2f}, {p['high']:.2f}]"
+
+
+def _accept(value: float | None, interval: Sequence[float] | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.2f}" + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
+
+
+def accept_curve_section(curves: Sequence[dict]) -> list[str]:
+    """Markdown lines: per (setting, batch size) the forced points, then each drafter measured
+    there with the speedup the curve predicts at its accept length."""
+    parts = ["## Speedup against accept length", ""]
+    for c in curves:
+        parts += [f"### {c['setting']}, batch {c['batch_size']}", "",
+                  markdown_table([{"forced accept length": f"{p['requested']:g}",
+                                   "measured accept length": _accept(p["accept_length"], p["accept_interval"]),
+                                   "speedup [CI]": _interval(p), "rounds": p["rounds"]} for p in c["points"]])]
+        for m in c["measured"]:
+            who = f"{m['drafter']} drafter" if m["drafter"] else "the drafter"
+            pred = m.get("predicted")
+            verdict = {True: "agree (intervals overlap)", False: "DISAGREE (intervals apart)",
+                       None: "not compared (no interval)"}[m.get("agree")]
+            parts.append(f"- {who}: accept length {_accept(m['accept_length'], m['accept_interval'])}, measured "
+                         f"{_interval(m)}; predicted from the curve {_interval(pred)}"
+                         + (" (extrapolated)" if pred and pred["extrapolated"] else "") + f": {verdict}")
+        parts.append("")
+    parts += ["Each point is the same setting served with acceptance forced (the engine's own knob) in the same "
+              "interleaved sweep: the speedup a drafter with that accept length would get here. Accept length: "
+              "1 + accepted drafts / verifies, the offline judge's figure. Between points the cycle cost "
+              "(accept length / speedup) is interpolated linearly.", ""]
+    return parts
+
+
 def markdown(summary: dict, rows: Sequence[dict], *, plan: dict, failures: dict[str, dict],
              launches: Sequence[dict], hardware: dict, settings: dict, notes: Sequence[str] = (),
-             head_to_head: Sequence[dict] = ()) -> str:
+             head_to_head: Sequence[dict] = (), accept_curves: Sequence[dict] = ()) -> str:
     b = settings
     parts = ["# Bench report", "",
              f"Engine `{plan['engine']}`, {b['num_prompts']} held-out prompts, {b['max_tokens']} new tokens "
@@ -122,6 +163,8 @@ def markdown(summary: dict, rows: Sequence[dict], *, plan: dict, failures: dict[
         parts += ["## Challenger vs champion", "", markdown_table(head_to_head_rows(head_to_head)),
                   "Challenger / champion: output tokens/s at the same setting over paired rounds, the same "
                   "interval as the speedup (the champion in the baseline's place).", ""]
+    if accept_curves:
+        parts += accept_curve_section(accept_curves)
     parts += ["## Baseline drift", ""]
     for bs, d in summary["drift"].items():
         if d["relative_change"] is None:
@@ -151,9 +194,9 @@ def markdown(summary: dict, rows: Sequence[dict], *, plan: dict, failures: dict[
     return "\n".join(parts) + "\n"
 
 
-def plot_png(summary: dict, title: str = "bench") -> bytes:
+def plot_png(summary: dict, title: str = "bench", accept_curves: Sequence[dict] = ()) -> bytes:
     """Throughput (mean with CI error bars) per configuration and batch size; accept length with
-    the break-even accept length marked."""
+    the break-even accept length marked; with accept-length curves, a third panel with them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -162,7 +205,11 @@ def plot_png(summary: dict, title: str = "bench") -> bytes:
     rows = [r for r in summary["rows"] if r.get("output_tok_s")]
     configs = list(dict.fromkeys(r["config"] for r in summary["rows"]))
     batches = sorted({r["batch_size"] for r in summary["rows"]})
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    if accept_curves:
+        fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 4.5))
+        draw_accept_curves(ax3, accept_curves)
+    else:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(configs))
     for i, config in enumerate(configs):
         xs, ys, errs = [], [], [[], []]
@@ -204,3 +251,33 @@ def plot_png(summary: dict, title: str = "bench") -> bytes:
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     return buf.getvalue()
+
+
+def _yerr(p: dict) -> list[list[float]]:
+    lo, hi = p.get("low"), p.get("high")
+    return [[p["speedup"] - lo if lo is not None else 0.0], [hi - p["speedup"] if hi is not None else 0.0]]
+
+
+def draw_accept_curves(ax, curves: Sequence[dict]) -> None:
+    """Speedup against accept length: each curve's forced points (intervals, joined), each drafter's
+    measured point and the curve's prediction at its accept length, side by side."""
+    for k, c in enumerate(curves):
+        color = f"C{k % 10}"
+        xs = [p["accept_length"] for p in c["points"]]
+        ax.plot(xs, [p["speedup"] for p in c["points"]], "-", color=color, alpha=0.6)
+        for p in c["points"]:
+            ax.errorbar([p["accept_length"]], [p["speedup"]], yerr=_yerr(p), fmt="s", color=color, capsize=3,
+                        markersize=4)
+        for m in c["measured"]:
+            if m["accept_length"] is None:
+                continue
+            ax.errorbar([m["accept_length"]], [m["speedup"]], yerr=_yerr(m), fmt="o", color=color, capsize=3,
+                        label=f"{c['setting']} b{c['batch_size']}: {m['drafter'] or 'drafter'} measured")
+            if m.get("predicted"):
+                ax.errorbar([m["accept_length"] + 0.03], [m["predicted"]["speedup"]], yerr=_yerr(m["predicted"]),
+                            fmt="x", color=color, capsize=3, label="predicted from the curve")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("accept length (1 + accepted drafts / verifies)")
+    ax.set_ylabel("speedup over the baseline")
+    ax.set_title("speedup against accept length (squares: forced)")
+    ax.legend(fontsize=7)

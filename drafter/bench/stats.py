@@ -241,7 +241,7 @@ def summarize(measurements: Sequence[dict], servers: Sequence[tuple[str, str]], 
             ms = [rounds[r] for r in sorted(rounds)]
             row: dict = {"key": key, "config": label, "batch_size": bs, "rounds": len(ms)}
             for field_name in ("output_tok_s", "latency_s", "ttft_s", "itl_s", "accept_length",
-                               "draft_acceptance", "cycle_time_s", "step_time_s"):
+                               "draft_acceptance", "draft_accept_length", "cycle_time_s", "step_time_s"):
                 ci = mean_ci([m.get(field_name) for m in ms], confidence)
                 row[field_name] = ci.to_dict() if ci else None
             if key != baseline_key:

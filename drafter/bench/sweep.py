@@ -244,7 +244,7 @@ class Sweep:
         cfg = server_config(self.cfg, server, self._port(server))
         session = ServerSession(cfg, draft_path=cfg.serve.draft_path,
                                 target_only=server.is_baseline, strict_settings=True, on_line=self.on_line,
-                                **self.session_options)
+                                forced_accept_length=server.forced_accept_length, **self.session_options)
         started = time.time()
         try:
             served = stack.enter_context(session)
@@ -262,6 +262,7 @@ class Sweep:
             launch_env = None
         api = client_api(cfg, served)
         record = {"key": server.key, "config": server.label, "drafter": server.drafter or None,
+                  "forced_accept_length": server.forced_accept_length,
                   "draft_path": cfg.serve.draft_path, "launch": n, "port": cfg.serve.port,
                   "started_at": started, "seconds_to_ready": served.seconds_to_ready,
                   "settings": served.settings, "settings_mismatch": served.settings_mismatch,
@@ -300,7 +301,7 @@ class Sweep:
             log.info("bench: %s measured; its earlier failure (%s) is cleared", server.label,
                      self.cleared[server.key]["kind"])
         record = {"key": server.key, "config": server.label, "baseline": server.is_baseline,
-                  "drafter": server.drafter or None,
+                  "drafter": server.drafter or None, "forced_accept_length": server.forced_accept_length,
                   "round": round_index, "launch": launch, **result}
         name = measurement_name(server.key, batch_size, round_index)
         self.out.write_shard(name, _dumps(record), meta={"key": server.key, "batch_size": batch_size,

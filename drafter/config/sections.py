@@ -383,6 +383,12 @@ class BenchConfig(Strict):
     drift_tolerance: float = OutputField(
         0.05, gt=0, lt=1, description="first vs last baseline rounds differing by more = unstable machine")
     request_timeout_s: float = OperationalField(600.0, gt=0, description="per-request timeout")
+    accept_curve: list[float] = OutputField(
+        default_factory=list, description="accept lengths (tokens per verify, bonus included) at which every "
+                                          "speculative setting is served again with acceptance forced, in the same "
+                                          "sweep: speedup against accept length, to predict a drafter's speedup "
+                                          "from its accept length (drafter.bench.predict); lengths a setting "
+                                          "cannot reach (above num_steps + 1) are skipped for it")
 
     @field_validator("batch_sizes")
     @classmethod
@@ -392,6 +398,15 @@ class BenchConfig(Strict):
         if len(set(v)) != len(v):
             raise ValueError(f"batch sizes repeat: {v}")
         return v
+
+    @field_validator("accept_curve")
+    @classmethod
+    def _accept_lengths(cls, v: list[float]) -> list[float]:
+        if any(a < 1 for a in v):
+            raise ValueError(f"accept lengths are tokens per verify, bonus included: at least 1, got {v}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"accept lengths repeat: {v}")
+        return sorted(v)
 
 
 class RetrainConfig(Strict):

@@ -13,6 +13,12 @@ export (the challenger) and with the registry's champion it faces (Registry.oppo
 report adds challenger / champion throughput over paired rounds (`head_to_head`), which the
 `champion` stage reads before its verdict. Without a champion yet, only the challenger is benched.
 
+With `bench.accept_curve`, every setting is also served at those accept lengths with acceptance
+forced, in the same sweep (drafter.bench.plan); their rows are kept out of the table and the
+recommendation and make the accept-length curves (drafter.bench.predict), stored in report.json
+and in the manifest meta (`accept_curve`: engine, target, curves) where the export and champion
+stages find the newest one for their engine and target (drafter.formats.stored_accept_curves).
+
 The report leads with the answer (faster or not, by how much, with the interval, on which engine:
 the stage's headline), gives each setting's speedup with its accept length next to its break-even,
 and, over several batch sizes, ends with the best setting per batch size as the engine's own
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from drafter.bench import BenchError
 from drafter.bench.answer import answer, deploy, deploy_section, ordered, setting_lines, with_answer
 from drafter.bench.plan import BASELINE, SweepPlan, plan_sweep
+from drafter.bench.predict import build_curves, fmt_speedup
 from drafter.bench.report import head_to_head_rows, markdown, plot_png, table_rows
 from drafter.bench.stats import head_to_head
 from drafter.bench.stats import summarize as summarize_measurements
@@ -84,7 +91,10 @@ def fingerprint(inputs: Inputs) -> str:
     cfg = inputs.ctx.cfg
     serve = {k: v for k, v in fingerprint_fields(cfg.serve).items() if k not in _SERVE_NOT_IDENTITY}
     target = {"served_name": cfg.target.served_name, "dtype": cfg.target.dtype, **target_identity(cfg.target)}
-    return stage_fingerprint(STAGE, {"bench": fingerprint_fields(cfg.bench), "serve": serve, "target": target,
+    section = fingerprint_fields(cfg.bench)
+    if not section["accept_curve"]:
+        del section["accept_curve"]  # off: the same sweep as before the option existed, the same output
+    return stage_fingerprint(STAGE, {"bench": section, "serve": serve, "target": target,
                                      "drafter": inputs.drafters.identity}, [inputs.ctx.upstream[PREPARE]])
 
 
@@ -99,6 +109,7 @@ def summarize(inputs: Inputs, out: StageOutput) -> Summary:
     summary += [f"batch {bs}: {rec['text']}" for bs, rec in report["summary"]["recommendation"].items()]
     summary += [f"challenger vs champion, {r['setting']} @ batch {r['batch']}: {r['challenger / champion tok/s [CI]']}, "
                 f"{r['verdict']}" for r in head_to_head_rows(report.get("head_to_head") or [])]
+    summary += curve_lines(report.get("accept_curves") or [])
     summary += deploy_lines(report.get("deploy"))
     summary.append(f"report: {out.store.uri(out.key('report.md'))}")
     headline = answer(report["summary"], report["plan"], report["settings"]["confidence"])
@@ -115,6 +126,20 @@ def deploy_lines(deployed: dict | None) -> list[str]:
                 + (shlex.join(conf["one_server"]) or "no speculative arguments")]
     return [f"deploy: batch {bs} on {engine}: " + (shlex.join(args) or "no speculative arguments (no speculation)")
             for bs, args in conf["per_batch"].items()]
+
+
+def curve_lines(curves: list[dict]) -> list[str]:
+    """Per curve: its points, and each drafter's measured speedup next to the predicted one."""
+    lines = []
+    for c in curves:
+        points = ", ".join(f"{p['accept_length']:.2f} -> {fmt_speedup(p)}" for p in c["points"])
+        lines.append(f"accept-length curve at {c['setting']} @ batch {c['batch_size']}: {points}")
+        for m in c["measured"]:
+            if m.get("predicted"):
+                word = {True: "agree", False: "DISAGREE", None: "not compared"}[m["agree"]]
+                lines.append(f"  {m['drafter'] or 'drafter'} at accept length {m['accept_length']:.2f}: measured "
+                             f"{fmt_speedup(m)}, predicted {fmt_speedup(m['predicted'])}: {word}")
+    return lines
 
 
 def build(inputs: Inputs, out: StageOutput) -> Built:
@@ -152,10 +177,16 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
         raise BenchError("port taken: " + "; ".join(f"{f['config']}: {f['message'].splitlines()[0]}" for f in held)
                          + f"; {FIXES['port_taken']}. Finished measurements stay committed in {out.uri}",
                          retryable=True)
-    servers = [(s.key, s.label) for s in plan.servers]
+    servers = [(s.key, s.label) for s in plan.servers if s.forced_accept_length is None]
+    forced = [(s.key, s.label) for s in plan.servers if s.forced_accept_length is not None]
     b = cfg.bench
     summary = summarize_measurements(outcome.measurements, servers, plan.batch_sizes, confidence=b.confidence,
                         samples=b.bootstrap_samples, seed=b.seed, drift_tolerance=b.drift_tolerance)
+    # the forced servers against the same baseline rounds; never in the table or the recommendation
+    curves = build_curves(summarize_measurements(outcome.measurements, forced, plan.batch_sizes,
+                                                 confidence=b.confidence, samples=b.bootstrap_samples, seed=b.seed,
+                                                 drift_tolerance=b.drift_tolerance)["rows"],
+                          summary["rows"], plan.curve_servers()) if forced else []
     rows = ordered(table_rows(summary, outcome.failures))
     versus = head_to_head(outcome.measurements, plan.head_to_head_pairs(), plan.batch_sizes, confidence=b.confidence,
                           samples=b.bootstrap_samples, seed=b.seed)
@@ -172,17 +203,17 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
     plan_d = plan.to_dict()
     deployed = deploy(summary, plan) if len(plan.batch_sizes) > 1 else None
     md = markdown(summary, rows, plan=plan_d, failures=outcome.failures, launches=outcome.launches,
-                  hardware=hw, settings=_settings(cfg), notes=notes, head_to_head=versus)
+                  hardware=hw, settings=_settings(cfg), notes=notes, head_to_head=versus, accept_curves=curves)
     md = with_answer(md, answer(summary, plan_d, b.confidence), setting_lines(summary, plan_d, outcome.failures),
                      deploy_section(deployed["choices"], plan.engine, deployed["config"]) if deployed else ())
     report = {"summary": summary, "table": rows, "plan": plan_d, "failures": outcome.failures, "deploy": deployed,
               "launches": outcome.launches, "hardware": hw, "settings": _settings(cfg), "notes": notes,
-              "drafters": identity, "drafter_paths": drafters, "head_to_head": versus,
+              "drafters": identity, "drafter_paths": drafters, "head_to_head": versus, "accept_curves": curves,
               "measurements": len(outcome.measurements),
               "prompts": {"used": len(prompts), "dropped_too_long": built.dropped, "context": built.context}}
     out.write_shard("report.json", json.dumps(report, indent=1, sort_keys=True, default=str))
     out.write_shard("report.md", md)
-    out.write_shard("report.png", plot_png(summary, f"bench {out.fingerprint}"))
+    out.write_shard("report.png", plot_png(summary, f"bench {out.fingerprint}", accept_curves=curves))
     verdicts = {f"{r['key']}@{r['batch_size']}": (r.get("speedup") or {}).get("verdict")
                 for r in summary["rows"] if r["key"] != BASELINE}
     meta = {"engine": cfg.serve.engine, "interleave": plan.interleave, "rounds": plan.rounds,
@@ -194,4 +225,7 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
             "drift_unstable": {str(k): d["unstable"] for k, d in summary["drift"].items()},
             "engine_versions": sorted({str(x.get("engine_version")) for x in outcome.launches}),
             "hardware": hw, "prompts": len(prompts), "prompts_dropped": built.dropped, "report": "report.md"}
+    if curves:  # what later stages and runs look up (drafter.formats.stored_accept_curves)
+        meta["accept_curve"] = {"engine": cfg.serve.engine, "target": target_identity(cfg.target),
+                                "max_tokens": b.max_tokens, "curves": curves}
     return Built(meta)

@@ -12,7 +12,9 @@ champion leaves everything unchanged.
 
 Output (`champion/<fingerprint>/`): `decision.json` (the verdict and its figures),
 `judge-champion.json` / `judge-challenger.json` (the two judgements, per prompt) and
-`accept-length.png` (accept length across every retrain of this drafter). The registry
+`accept-length.png` (accept length across every retrain of this drafter). It prints the speedup
+each offline accept length predicts, from the newest accept-length curve the bench stored for this
+engine and target (drafter.bench.forecast), or that there is none yet. The registry
 (drafter.retrain.registry) is updated BEFORE the commit: a crash in between re-runs as "unchanged".
 The fingerprint names the pair (challenger, the champion it faces) and the bench, so a re-run of
 the same retrain skips, and so does one after a rollback (the rolled-back challenger is not
@@ -25,6 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from drafter.bench.forecast import predicted_speedup_lines
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.formats import CHAMPION as STAGE
 from drafter.formats import CHAMPION_DECISION as DECISION
@@ -104,6 +107,8 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
                             "; ".join(bench["problems"]))
     decision.update(challenger=challenger, champion=champion, drafter=registry.name, target=registry.target,
                     registry=registry.uri, corpus=upstream[PREPARE])
+    for line in _predictions(cfg, store, decision):
+        say(f"champion: {line}")
     say(f"champion: {decision['verdict']}: {decision['reason']}")
     if decision["verdict"] == "promoted":
         registry.promote(challenger, decision["reason"], _figures(decision), decision=_figures(decision))
@@ -123,6 +128,15 @@ def bench_figures(store: ObjectStore, bench_fp: str, challenger: str, champion: 
     report = json.loads(out.read_shard(BENCH_REPORT))
     return {**bench_verdict(report, challenger, champion), "fingerprint": bench_fp,
             "report": store.uri(out.key("report.md"))}
+
+
+def _predictions(cfg: LifecycleConfig, store: ObjectStore, decision: dict) -> list[str]:
+    """The speedup each drafter's offline accept length predicts (judged at export.judge_num_steps;
+    "unchanged" judged no champion: its figure is the challenger's)."""
+    who = ("challenger",) if decision["verdict"] == "unchanged" else ("challenger", "champion")
+    return [line for w in who if decision.get(f"{w}_accept_length") is not None
+            for line in predicted_speedup_lines(cfg, store, decision[f"{w}_accept_length"],
+                                                cfg.export.judge_num_steps, w)]
 
 
 def _figures(decision: dict) -> dict:
@@ -174,6 +188,7 @@ def summarize(inputs: Inputs, out: StageOutput) -> Summary:
             table.append({"figure": f"{at}: challenger / champion throughput", "champion": "",
                           "challenger": f"{row['challenger_over_champion']:.2f}x [{fmt(lo, '{:.2f}')}, "
                                         f"{fmt(hi, '{:.2f}')}] ({row['verdict']})"})
+    summary += _predictions(inputs.ctx.cfg, inputs.ctx.store, d)
     if bench:
         summary.append(f"bench: {bench['report']}")
         summary += [f"bench note: {n}" for n in bench["notes"]]

@@ -12,6 +12,10 @@ Output (`export/<fingerprint>/`):
                                                     export.vllm_judge also real vLLM's (`vllm`, `agreement`)
 Manifest meta: {"export": <export.json>, "judge": <judge.json>}.
 
+After the offline judgement (and in the summary) the stage prints the speedup that accept length
+predicts, from the newest accept-length curve the bench stored for this engine and target
+(drafter.bench.forecast), or that there is none yet.
+
 Refusals (ExportError and subclasses, never retried), each naming its cause: a drafter trained
 for another target or on other layers; any key / shape / value of the files read back that differs
 from what the engine loads or from the trained drafter; an offline accept length below
@@ -24,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from drafter.bench.forecast import predicted_speedup_lines
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.export.judge import check as judge_check
 from drafter.export.manifest import EXPORT_FORMAT_VERSION, export_manifest
@@ -158,6 +163,8 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
             train_meta=train_meta, dump_fingerprint=inputs["dump_fp"], prepare_fingerprint=inputs["prepare_fp"],
             our_aux_ids=ours, sglang=sglang, vllm=vllm, d2t=source.d2t, vocab_size=target.vocab_size)
         judge, prompts = _judge(cfg, store, inputs["prepare_fp"], sglang_dir, train_meta, progress, say)
+        for line in predicted_speedup_lines(cfg, store, judge["accept_length"], judge["num_steps"]):
+            say(f"export: {line}")  # before any server runs this drafter (the vLLM judge's below)
         if ec.vllm_judge is not None:
             if vllm is None:
                 raise ExportError("export.vllm_judge judges the vLLM export: add 'vllm' to export.formats")
@@ -247,6 +254,7 @@ def summarize(inputs: Inputs, out: StageOutput) -> Summary:
            f"per position {fmt(judge['vllm']['per_position'])}; reference {judge['accept_length']:.3f}: agree within "
            f"{judge['agreement']['tolerance']} (difference {judge['agreement']['accept_length_difference']:.3f})"]
           if "vllm" in judge else []),
+        *predicted_speedup_lines(inputs.ctx.cfg, inputs.ctx.store, judge["accept_length"], s),
         f"layer ids {export['layer_ids']['trained']['ids']} (ours) -> SGLang "
         f"{export['layer_ids']['sglang']['eagle_aux_hidden_state_layer_ids']}"
         + (f", vLLM {export['layer_ids']['vllm']['eagle_aux_hidden_state_layer_ids']}" if "vllm" in export["layer_ids"]

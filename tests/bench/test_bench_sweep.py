@@ -272,6 +272,19 @@ def test_drafter_from_the_export_output_and_what_the_fingerprint_covers(tmp_path
     assert TABLE.fingerprint("bench", moved, up) == fp
     more = no_dir.model_copy(update={"bench": no_dir.bench.model_copy(update={"repeats": 5})})
     assert TABLE.fingerprint("bench", more, up) != fp
+    # bench.accept_curve: off (the default) leaves the fingerprint as it was before the option existed
+    from drafter.config import fingerprint_fields
+    from drafter.stage_output import fingerprint as stage_fingerprint
+
+    inputs = bench.inputs(bench.StageContext(no_dir, store, up))
+    section = {k: v for k, v in fingerprint_fields(no_dir.bench).items() if k != "accept_curve"}
+    assert bench.fingerprint(inputs) == stage_fingerprint("bench", {
+        "bench": section, "serve": {k: v for k, v in fingerprint_fields(no_dir.serve).items()
+                                    if k not in ("speculative", "draft_path")},
+        "target": {"served_name": no_dir.target.served_name, "dtype": no_dir.target.dtype,
+                   **bench.target_identity(no_dir.target)}, "drafter": inputs.drafters.identity}, [PREPARE_FP])
+    curve = no_dir.model_copy(update={"bench": no_dir.bench.model_copy(update={"accept_curve": [2.0]})})
+    assert TABLE.fingerprint("bench", curve, up) != fp
     # serve.draft_path set: its content is the identity, the export is not needed
     with_dir = TABLE.fingerprint("bench", cfg, {"prepare": PREPARE_FP})
     (Path(cfg.serve.draft_path) / "model.safetensors").write_bytes(b"other weights")
