@@ -21,11 +21,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 ACCEPT = "draft_accept_length"  # the measurement field the curve's x comes from (drafter.bench.measure)
+# A forced server measured further than this from the accept length asked for did not honour the
+# knob (a changed engine version, a wrapper that drops it): the report says so. Forced means vary by
+# far less (reference: exact to a token per request; SGLang, vLLM: draws over hundreds of verifies).
+HONOURED_WITHIN = 0.25
+
+
+def not_honoured(points: Iterable[dict]) -> list[dict]:
+    """The points whose measured accept length is not the one their engine was asked to force."""
+    return [p for p in points if abs(p["accept_length"] - p["requested"]) > HONOURED_WITHIN]
 
 
 def curve_point(row: dict, requested: float) -> dict | None:
     """One forced server's row (stats.summarize) at one batch size as a curve point; None when it
-    has no paired speedup. x is the measured accept length when the engine reports it."""
+    has no paired speedup. x is the measured accept length when the engine reports it (a point
+    stands where it was measured, even when the knob was not honoured)."""
     sp = row.get("speedup")
     if not sp:
         return None

@@ -15,6 +15,8 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
+from drafter.bench.predict import not_honoured
+
 
 def _num(value: float | None, fmt: str = "{:.1f}") -> str:
     return "—" if value is None else fmt.format(value)
@@ -126,6 +128,9 @@ def accept_curve_section(curves: Sequence[dict]) -> list[str]:
                   markdown_table([{"forced accept length": f"{p['requested']:g}",
                                    "measured accept length": _accept(p["accept_length"], p["accept_interval"]),
                                    "speedup [CI]": _interval(p), "rounds": p["rounds"]} for p in c["points"]])]
+        parts += [f"- forced {p['requested']:g} but measured {p['accept_length']:.2f}: the engine did not give the "
+                  f"accept length asked for (its knob, `Engine.forced_acceptance`); the point stands where it was "
+                  f"measured" for p in not_honoured(c["points"])]
         for m in c["measured"]:
             who = f"{m['drafter']} drafter" if m["drafter"] else "the drafter"
             pred = m.get("predicted")

@@ -173,6 +173,15 @@ def test_report_draws_the_curve_section_and_a_third_panel():
     assert "the drafter: accept length 2.21 [" in md and "agree (intervals overlap)" in md
     png = plot_png(summary, accept_curves=curves)
     assert struct.unpack(">II", png[16:24]) == (1800, 450)
+    assert "did not give the accept length asked for" not in md
+    # an engine that ignored its knob: the point stands where it was measured, and the report says so
+    ignored = [dict(curves[0], points=[dict(p, accept_length=2.2) if p["requested"] == 3.0 else p
+                                       for p in curves[0]["points"]])]
+    md = markdown(summary, [], plan=plan, failures={}, launches=[],
+                  hardware={"cpu_model": "cpu", "cpu_count": 2, "gpus": None, "platform": "linux"},
+                  settings={"num_prompts": 4, "max_tokens": 8, "ignore_eos": True, "warmup_requests": 1,
+                            "confidence": 0.95}, accept_curves=ignored)
+    assert "- forced 3 but measured 2.20: the engine did not give the accept length asked for" in md
 
 
 # ----------------------------------------------------------------------------- stored curves, later stages
