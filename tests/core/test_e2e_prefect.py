@@ -93,7 +93,11 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
     assert train_meta["dump_fingerprint"] == dumped[0].parent.name and train_meta["steps"] >= 1
     assert train_meta["final_eval"] is not None  # the held-out split was dumped and evaluated
 
-    run_deployment(prefect_env, profile)
+    # the second run through the demo's own script path (infra/prefect-env.sh, as infra/demo.sh runs it)
+    demo = subprocess.run(["bash", "-c", f"source {ROOT}/infra/prefect-env.sh && "
+                           "run_deployment drafter-lifecycle/full e2e-again.log && ui_hint && answer_line"],
+                          env={**prefect_env, "PROFILE": str(profile)}, capture_output=True, text=True, timeout=400)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
     assert manifests[0].stat().st_mtime_ns == before  # nothing rewritten
     assert generated[0].stat().st_mtime_ns == gen_before
     logs = run_logs(prefect_env, store)
@@ -125,10 +129,27 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
     # a gate's verdict is a markdown artifact of its task run; a skipped stage says so in its state
     assert artifacts(prefect_env, "export-verdict")[0]["data"].startswith("## export: passed\n")
     assert artifacts(prefect_env, "bench-verdict")[0]["data"].startswith("## bench: recommendation\n")
-    skipped = [t for t in task_runs(prefect_env) if t["name"].startswith("prepare-")
+    skipped = [t for t in task_runs(prefect_env) if t["name"].startswith("prepare")
                and (t["state"]["message"] or "").startswith("skipped: output already complete at file://")]
     # the stage's task run and its subflow's run in the parent (the stage as the UI's graph shows it)
     assert len(skipped) == 2 and {t["state"]["type"] for t in skipped} == {"COMPLETED"}
+    assert "prepare (skipped)" in {t["name"] for t in skipped}
+    # the demo's last line: the answer, with the run that measured it (the first run's bench stage)
+    bench_fp = next(store.glob("bench/*/report.json")).parent.name
+    (measured,) = flow_runs(prefect_env, {"tags": {"all_": [f"drafter-wrote:bench/{bench_fp}"]}})
+    (again,) = flow_runs(prefect_env, {"tags": {"all_": ["skipped"]}, "name": {"any_": ["bench (skipped)"]}})
+    assert again["state"]["name"] == "Skipped" and again["state"]["type"] == "COMPLETED"
+    out = demo.stdout.rstrip().splitlines()
+    measured_url = f"/runs/flow-run/{measured['id']}"
+    assert out[-1].startswith("answer: ") and " on engine reference at batch 1: " in out[-1], out[-1]
+    assert out[-1].endswith(measured_url) and "(speedup over no speculation, 95% interval); from run http://" in out[-1]
+    assert out[-2].startswith("run: http://127.0.0.1:") and measured_url not in out[-2]  # this run's own page
+    assert re.search(rf"^stage bench: skipped \(output already complete\) file://\S+ \(written by run http://\S+"
+                     rf"{measured_url}\)$", demo.stdout, re.M)
+    # the skipped bench stage's page shows the figures it skipped with, speedup and verdict first
+    figures = [a for a in artifacts(prefect_env, "bench-summary") if a["flow_run_id"] == again["id"]]
+    assert len(figures) == 1 and list(figures[0]["data"])[:4] == ["config", "batch", "speedup [CI]", "verdict"]
+    assert figures[0]["data"]["config"] == ["baseline (no speculation)", "EAGLE3 2/1/3"]
 
     # A refusing export gate, through the demo's own script path (infra/prefect-env.sh run_deployment):
     # the run ends Failed, the reason and where to look are printed, the exit code is not 0.
@@ -207,6 +228,16 @@ def artifacts(env, key: str) -> list[dict]:
         if isinstance(art["data"], str) and art["type"] == "table":
             art["data"] = json.loads(art["data"])
     return found
+
+
+def flow_runs(env, flow_runs_filter: dict) -> list[dict]:
+    import urllib.request
+
+    req = urllib.request.Request(env["PREFECT_API_URL"] + "/flow_runs/filter",
+                                 data=json.dumps({"flow_runs": flow_runs_filter, "limit": 200}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
 
 
 def task_runs(env) -> list[dict]:
