@@ -288,6 +288,23 @@ def test_champion_stage_a_failed_bench_vetoes_even_the_first_drafter(tmp_path):
     assert fine.meta["bench"]["rows"] == [{"setting": "challenger EAGLE3 1/1/2", "batch_size": 1, "rounds": 2,
                                            "challenger_speedup": 0.8, "challenger_accept_length": 1.4}]
     assert any("speedup vs baseline" in row["figure"] for row in fine.table)
-    # the re-run finds the same pair (the challenger now faces the champion it replaced: none) and skips
+    assert [line for line in fine.summary if "predicted speedup" in line] == [
+        "challenger predicted speedup: none yet, no accept-length curve is stored for engine reference and this "
+        f"target at {cfg.export.judge_num_steps} draft steps (run the bench with bench.accept_curve); offline accept "
+        "length 1.500"]
+    # the re-run finds the same pair (the challenger now faces the champion it replaced: none) and skips;
+    # a bench that stored an accept-length curve meanwhile gives the challenger's predicted speedup
+    from drafter.target_identity import target_identity
+
+    curve = StageOutput(store, "bench", "c1")
+    curve.write_shard("report.md", "# Bench report\n")
+    points = [{"requested": a, "accept_length": a, "speedup": a / 2, "low": a / 2.2, "high": a / 1.8}
+              for a in (1.0, 2.0)]
+    curve.commit({"accept_curve": {"engine": "reference", "target": target_identity(cfg.target), "curves": [
+        {"setting": "EAGLE3 3/1/4", "setting_key": "eagle3-s3-k1-d4", "num_steps": cfg.export.judge_num_steps,
+         "batch_size": 1, "points": points, "measured": []}]}})
     again = TABLE.run("champion", cfg, store, upstream={"export": "e1", "prepare": "p1", "bench": "b2"})
     assert again.skipped and again.meta["verdict"] == "promoted"
+    (line,) = [line for line in again.summary if "predicted speedup" in line]
+    assert line.startswith("challenger predicted speedup at EAGLE3 3/1/4, batch 1: 0.75x [0.68, 0.83] from offline "
+                           "accept length 1.500; curve: bench c1")
