@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,7 +88,16 @@ def test_sweep_records_a_failed_config_and_keeps_the_others(tmp_path):
     assert len({l["port"] for l in launches.values()}) == 3
     md = out.read_shard("report.md").decode()
     assert "failed EAGLE3 5/1/6: crashed" in md and "the 4 planned servers were launched once each" in md
-    assert "| EAGLE3 3/1/4 | 1 | 3 |" in md
+    # the answer first, the table's speedup and verdict right after the configuration, the deployable
+    # settings per batch size (batch sizes 1 and 2) last, as the command engine takes them
+    assert re.search(r"\| EAGLE3 3/1/4 \| 1 \| \d+\.\d\dx \[[\d.]+, [\d.]+\] \| faster \|", md), md
+    titles = [line for line in md.splitlines() if line.startswith("## ")]
+    assert titles[0] == "## Answer" and titles[-1] == "## Deployable settings per batch size"
+    assert "Engine `command`, one server per batch size" in md and "- batch 1: `--speculative-algorithm EAGLE3" in md
+    assert result.headline.startswith("on engine command (speedup over no speculation, 95% interval): batch 1 faster: ")
+    assert list(result.table[0])[:4] == ["config", "batch", "speedup [CI]", "verdict"]
+    assert any(line.startswith("EAGLE3 3/1/4 @ batch 1: ") and " faster, accept length 2.67 vs break-even 1."
+               in line for line in result.summary), result.summary
     assert result.table and result.summary[-1].startswith("report: file://")
     # interleaved: within each round every live server was measured before the next round began
     ms = sorted((json.loads(out.read_shard(n)) for n in names if n.startswith("m/")), key=lambda m: m["started_at"])
