@@ -3,8 +3,9 @@ setting (speedup [CI], verdict, accept length vs break-even), the one-line answe
 by how much, with the interval, on which engine) and the best setting per batch size as the
 engine's own configuration (rendered by the engine: `Engine.per_batch_size`).
 
-Pure functions of a sweep's summary (drafter.bench.stats.summarize, as stored in report.json:
-batch-size keys may be strings there) and its plan (SweepPlan.to_dict). Only real drafter settings
+Functions of a sweep's summary (drafter.bench.stats.summarize, as stored in report.json: batch-size
+keys may be strings there) and its plan (SweepPlan.to_dict); only `deploy` asks the engine (vLLM
+checks the drafter directory's config.json, as for its launch). Only real drafter settings
 count: the baseline and forced-acceptance servers (points of the accept-length curve, timing only)
 are never an answer.
 """
