@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 # ~/.cache/pip is what filled a CI disk once.
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: install vllm-env sglang-env test test-fast demo demo-retrain demo-ui demo-down clean-runs
+.PHONY: install vllm-env sglang-env test test-fast demo demo-vllm demo-retrain demo-ui demo-down clean-runs
 
 # vLLM is a serving engine with its own installation (as in production): a separate virtualenv whose
 # interpreter `serve.python` / `dump.python` name. Its CPU build runs the real-engine tests here.
@@ -80,6 +80,11 @@ test-fast: install
 
 demo: install
 	infra/demo.sh
+
+# The same demo served and benched by real vLLM (its CPU build, in .venv-vllm): after `make demo`, only
+# the bench, champion and serve stages run (the earlier stages' outputs are the same).
+demo-vllm: install vllm-env
+	PROFILE=profiles/demo-vllm.yaml infra/demo.sh
 
 # Append a batch of new prompts to runs/demo-source and run the retrain-nightly deployment once.
 demo-retrain: install

@@ -48,7 +48,7 @@ def prefect_server(tmp_path_factory):
 # slow test inside an otherwise fast module). Slow tests run in `make test` only.
 SLOW_MODULES = {
     # Real engines in their own venvs (DRAFTER_VLLM_PYTHON / DRAFTER_SGLANG_PYTHON).
-    "test_vllm_capture", "test_vllm_engine", "test_vllm_judge",
+    "test_vllm_capture", "test_vllm_engine", "test_vllm_judge", "test_bench_vllm",
     "test_sglang_export", "test_sglang_rules", "test_sglang_server",
     # Prefect end to end (the fan-out over 3 process workers), the serve task's retries through its
     # own Prefect test server, the Kubernetes pool template against a real Prefect server.
