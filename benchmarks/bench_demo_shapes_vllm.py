@@ -3,10 +3,11 @@
     .venv/bin/python -m benchmarks.bench_demo_shapes_vllm --vllm-python .venv-vllm/bin/python \
         [--shapes 128x5,64x24] [--rounds 3] [--work DIR] [--port 31200]
 
-The vLLM side of benchmarks/bench_demo_shapes.py (same shapes, same random weights). Per shape,
-three vLLM servers run at once (eager mode, 1 GiB KV cache, 512-token context): the plain target,
-and the target with a random EAGLE-3 drafter (our vLLM export) at 1 and 3 speculative tokens. A
-random drafter is never right, so every cycle emits one token and a decode "token" is one cycle:
+The vLLM side of benchmarks/bench_demo_shapes.py (same shapes, same random weights). Per shape and
+round, three vLLM servers, one alive at a time, in rotating order (eager mode, 1 GiB KV cache,
+512-token context): the plain target, and the target with a random EAGLE-3 drafter (our vLLM
+export) at 1 and 3 speculative tokens. A random drafter is never right, so every cycle emits one
+token and a decode "token" is one cycle:
 
 - `step ms`: the plain server's decode time per output token;
 - `cycle1 ms`, `cycle3 ms`: one draft + verify cycle at 1/1/2 and 3/1/4;
@@ -15,8 +16,8 @@ random drafter is never right, so every cycle emits one token and a decode "toke
 - `draft/step` and `break-even` (cycle3 / step: the accept length 3/1/4 needs).
 
 A decode time is (time for `--max-new` tokens - time for 1 token) / (max_new - 1), over non-streamed
-greedy completions with `ignore_eos`, prompts of `--prompt-tokens` random ids; the servers are
-visited round-robin inside each round (field note 6), medians over rounds.
+greedy completions with `ignore_eos`, prompts of `--prompt-tokens` fixed ids, after one warm-up
+request; medians over rounds.
 """
 from __future__ import annotations
 
@@ -101,24 +102,23 @@ def bench_shape(args, shape: dict, tok: Path, work: Path) -> dict:
         write_vllm(draft_dir, info, vllm_dir, aux_ids(info.num_layers), 3)
     servers = {"step": None, "cycle1": {"method": "eagle3", "model": str(vllm_dir), "num_speculative_tokens": 1},
                "cycle3": {"method": "eagle3", "model": str(vllm_dir), "num_speculative_tokens": 3}}
-    procs = {}
-    try:
-        for i, (name, spec) in enumerate(servers.items()):
-            procs[name] = (launch(args.vllm_python, target_dir, args.port + i, work / f"{shape['label']}-{name}.log",
-                                  spec), args.port + i)
-        for name, (proc, port) in procs.items():
-            wait_ready(proc, port)
-            print(f"  {shape['label']} {name}: ready", flush=True)
-        prompts = [[1] + [(7 * i + j) % 500 + 10 for j in range(args.prompt_tokens - 1)] for i in range(args.prompts)]
-        times = {name: [] for name in servers}
-        for r in range(args.rounds):
-            order = list(procs)[r % 3:] + list(procs)[:r % 3]
-            for name in order:
-                times[name].append(decode_s_per_token(procs[name][1], prompts, args.max_new))
-        med = {k: statistics.median(v) for k, v in times.items()}
-    finally:
-        for proc, _ in procs.values():
-            stop(proc)
+    prompts = [[1] + [(7 * i + j) % 500 + 10 for j in range(args.prompt_tokens - 1)] for i in range(args.prompts)]
+    times = {name: [] for name in servers}
+    for r in range(args.rounds):
+        names = list(servers)
+        for name in names[r % 3:] + names[:r % 3]:
+            # One server alive at a time (as the bench's `relaunch`): vLLM's CPU workers spin their
+            # threads, so an idle neighbour slowed the one being measured by a varying amount.
+            proc = launch(args.vllm_python, target_dir, args.port, work / f"{shape['label']}-{name}-r{r}.log",
+                          servers[name])
+            try:
+                wait_ready(proc, args.port)
+                request_s(args.port, prompts[0], 8)  # warm-up
+                times[name].append(decode_s_per_token(args.port, prompts, args.max_new))
+            finally:
+                stop(proc)
+            print(f"  {shape['label']} {name} round {r + 1}: {times[name][-1] * 1e3:.3f} ms/token", flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
     draft = (med["cycle3"] - med["cycle1"]) / 2
     return {"shape": shape["label"], "layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"],
             "step_ms": round(med["step"] * 1e3, 3), "cycle1_ms": round(med["cycle1"] * 1e3, 3),
