@@ -32,11 +32,10 @@ from pathlib import Path
 
 import torch
 
-from drafter.model import init_random_drafter, load_drafter
+from drafter.layers import default_aux_layer_ids
+from drafter.model import DraftKVCache, init_random_drafter, load_drafter
 from drafter.serving.speculative import SamplingParams, SpeculativeEngine
 from drafter.target import HFTarget
-from drafter.model import DraftKVCache
-from drafter.layers import default_aux_layer_ids
 
 
 def parse_shape(text: str) -> dict:
@@ -132,6 +131,16 @@ def time_train_step(target_dir: Path, batch: int = 16, seq: int = 128, n: int = 
     return (time.perf_counter() - start) / n
 
 
+def report(rows: list[dict], json_path: str | None) -> None:
+    """The figures as a markdown table on stdout (and as JSON where asked)."""
+    cols = list(rows[0])
+    print("\n| " + " | ".join(cols) + " |\n|" + "|".join("---" for _ in cols) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(row[c]) for c in cols) + " |")
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="128x5,128x12,64x12,64x16,64x24,96x16")
@@ -185,12 +194,7 @@ def main() -> None:
         if not args.no_train:
             row["train_step_ms"] = round(time_train_step(target_dir) * 1e3, 1)
         rows.append(row)
-    cols = list(rows[0])
-    print("\n| " + " | ".join(cols) + " |\n|" + "|".join("---" for _ in cols) + "|")
-    for row in rows:
-        print("| " + " | ".join(str(row[c]) for c in cols) + " |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    report(rows, args.json)
 
 
 if __name__ == "__main__":

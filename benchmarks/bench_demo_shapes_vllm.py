@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bench_demo_shapes import aux_ids, build_shape, parse_shape, tokenizer_for_bench
+from benchmarks.bench_demo_shapes import aux_ids, build_shape, parse_shape, report, tokenizer_for_bench
 from drafter.export.sglang import TargetInfo
 from drafter.export.vllm import write_vllm
 
@@ -148,12 +148,7 @@ def main() -> None:
     for text in args.shapes.split(","):
         rows.append(bench_shape(args, parse_shape(text), tok, work))
         print(json.dumps(rows[-1]), flush=True)
-    cols = list(rows[0])
-    print("\n| " + " | ".join(cols) + " |\n|" + "|".join("---" for _ in cols) + "|")
-    for row in rows:
-        print("| " + " | ".join(str(row[c]) for c in cols) + " |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    report(rows, args.json)
 
 
 if __name__ == "__main__":
