@@ -136,14 +136,13 @@ class HFTarget:
 MASKED_GQA_SDPA = "drafter_masked_gqa_sdpa"
 
 
-def _masked_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                     **kwargs):
+def _masked_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, *,
+                     sdpa_attention_forward, **kwargs):
     """transformers' sdpa attention, except that a masked grouped-query call (a multi-token verify
     over a KV cache) lets torch's SDPA share the KV heads (`enable_gqa`) instead of copying the whole
     cache per layer to repeat them: on CPU that copy made a 4-token verify cost ~1.4 one-token steps.
-    The same numbers (tests/core/test_target.py); every other call goes to transformers' own."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    The same numbers (tests/core/test_target.py); every other call goes to transformers' own
+    (bound once at registration, not imported on every layer's call)."""
     if (getattr(module, "num_key_value_groups", 1) > 1 and attention_mask is not None and query.device.type == "cpu"
             and attention_mask.dtype == torch.bool and kwargs.get("position_bias") is None
             and kwargs.get("cache") is None and not kwargs.get("output_attentions")):
@@ -159,12 +158,14 @@ def use_masked_gqa_sdpa(model) -> bool:
     cannot be (another attention implementation, or a transformers without the interface)."""
     try:
         from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError:
         return False
     if getattr(model.config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
         return False
-    AttentionInterface.register(MASKED_GQA_SDPA, _masked_gqa_sdpa)
+    AttentionInterface.register(MASKED_GQA_SDPA, functools.partial(
+        _masked_gqa_sdpa, sdpa_attention_forward=sdpa_attention_forward))
     # The masks sdpa gets: without this entry transformers builds none for an unknown implementation.
     AttentionMaskInterface.register(MASKED_GQA_SDPA, sdpa_mask)
     model.set_attn_implementation(MASKED_GQA_SDPA)
