@@ -94,8 +94,8 @@ def best_per_batch(summary: Mapping[str, Any], plan: Mapping[str, Any]) -> list[
         faster = [r for r in rows if r["speedup"]["verdict"] == "faster"]
         d = drift.get(bs) or {}
         if d.get("unstable"):
-            why = (f"the baseline moved {d['relative_change']:+.1%} between its first and last rounds "
-                   f"(tolerance {d['tolerance']:.0%}); re-run on a quiet machine")
+            why = (f"the baseline moved {d['per_round']:+.1%} per round (tolerance {d['tolerance']:.0%}); "
+                   "re-run on a quiet machine")
             choice = None
         elif faster:
             choice = max(faster, key=lambda r: r["speedup"]["speedup"])

@@ -176,8 +176,9 @@ def markdown(summary: dict, rows: Sequence[dict], *, plan: dict, failures: dict[
             parts.append(f"- batch {bs}: fewer than 2 baseline rounds, not checked")
         else:
             flag = "UNSTABLE machine" if d["unstable"] else "stable"
-            parts.append(f"- batch {bs}: first {d['first']:.1f} -> last {d['last']:.1f} tok/s "
-                         f"({d['relative_change']:+.1%}, tolerance {d['tolerance']:.0%}): {flag}")
+            parts.append(f"- batch {bs}: {d['per_round']:+.1%} per round (tolerance {d['tolerance']:.0%}): "
+                         f"{flag}; first {d['first']:.1f} -> last {d['last']:.1f} tok/s "
+                         f"({d['relative_change']:+.1%} over the sweep)")
     if plan["skipped"] or failures:
         parts += ["", "## Skipped and failed configurations", ""]
         parts += [f"- skipped {s['config']}: {s['reason']}" for s in plan["skipped"]]

@@ -10,7 +10,8 @@ tok/s" was a fresh-boot artifact). Every figure here comes with an interval:
   ratios: with 3 rounds a bootstrap has only 10 distinct resamples and its percentile interval is
   far too narrow, the t interval is the honest small-sample bound;
 - `verdict`: faster / slower / no measurable difference (the interval contains 1.0);
-- `baseline_drift`: first vs last baseline rounds, flagging a machine whose speed moved;
+- `baseline_drift`: the baseline's trend per round, flagging a machine whose speed moved faster
+  than a paired round can carry (first vs last rounds reported beside it);
 - `break_even_accept_length`: the accept length a configuration needs to match the baseline,
   from measured costs: its verify-cycle time over the baseline's per-token step time;
 - `head_to_head`: challenger / champion output tokens/s over paired rounds, the same interval, per
@@ -182,8 +183,9 @@ def paired_speedup(baseline: Sequence[float], config: Sequence[float], confidenc
 class Drift:
     first: float | None
     last: float | None
-    relative_change: float | None   # (last - first) / first
-    rounds_compared: int            # rounds averaged at each end
+    relative_change: float | None   # (last - first) / first, over the whole sweep (reported)
+    rounds_compared: int            # rounds averaged at each end for first / last
+    per_round: float | None         # least-squares trend per round / mean: what the check judges
     unstable: bool
     tolerance: float
 
@@ -192,16 +194,24 @@ class Drift:
 
 
 def baseline_drift(baseline_rounds: Sequence[float], tolerance: float) -> Drift:
-    """Mean of the first k vs the last k baseline rounds (k = a third of them, at least 1). A
-    change beyond `tolerance` means the machine's speed moved during the sweep: every comparison
-    from it is suspect, whatever its interval says."""
+    """Is the machine's speed moving faster than the pairing cancels?
+
+    A configuration is compared with the baseline of the SAME round, measured at most one round
+    apart (the order rotates), so the drift a pair can carry is the machine's change over one
+    round: the least-squares slope of the baseline's throughput against its round index, relative
+    to its mean. Beyond `tolerance` every comparison from the sweep is suspect, whatever its
+    interval says. A slow change over a long sweep (a neighbour's job winding down) moves both
+    members of each pair alike and is reported (first vs last third of the rounds) but not judged:
+    more, shorter rounds make the same drift smaller per round."""
     x = _clean(baseline_rounds)
     if x.size < 2:
-        return Drift(float(x[0]) if x.size else None, None, None, 0, False, tolerance)
+        return Drift(float(x[0]) if x.size else None, None, None, 0, None, False, tolerance)
     k = max(1, x.size // 3)
     first, last = float(x[:k].mean()), float(x[-k:].mean())
-    change = (last - first) / first
-    return Drift(first, last, change, k, abs(change) > tolerance, tolerance)
+    rounds = np.arange(x.size, dtype=float)
+    slope = float(np.polyfit(rounds, x, 1)[0])
+    per_round = slope / float(x.mean())
+    return Drift(first, last, (last - first) / first, k, per_round, abs(per_round) > tolerance, tolerance)
 
 
 def break_even_accept_length(cycle_time_s: float | None, baseline_step_time_s: float | None) -> float | None:
@@ -260,8 +270,8 @@ def summarize(measurements: Sequence[dict], servers: Sequence[tuple[str, str]], 
             rows.append(row)
         if d.unstable:
             recommend[bs] = {"key": None, "text": (
-                f"no recommendation: the baseline moved {d.relative_change:+.1%} between its first and "
-                f"last rounds (tolerance {drift_tolerance:.0%}); the machine was not stable, re-run")}
+                f"no recommendation: the baseline moved {d.per_round:+.1%} per round (tolerance "
+                f"{drift_tolerance:.0%}); the machine was not stable, re-run")}
         elif best is not None:
             recommend[bs] = {"key": best[0], "text": f"{best[2]} ({best[1]:.2f}x, significantly faster)"}
         else:

@@ -381,7 +381,8 @@ class BenchConfig(Strict):
     bootstrap_samples: int = OutputField(5000, ge=100, description="paired-round bootstrap resamples")
     seed: int = OutputField(0, description="bootstrap seed (deterministic intervals)")
     drift_tolerance: float = OutputField(
-        0.05, gt=0, lt=1, description="first vs last baseline rounds differing by more = unstable machine")
+        0.05, gt=0, lt=1, description="the baseline's trend per round (least squares over its rounds, relative to "
+                              "its mean) beyond this = unstable machine: no verdict from the sweep")
     request_timeout_s: float = OperationalField(600.0, gt=0, description="per-request timeout")
     accept_curve: list[float] = OutputField(
         default_factory=list, description="accept lengths (tokens per verify, bonus included) at which every "
