@@ -183,7 +183,9 @@ class TrainConfig(Strict):
                                "(half their memory, masters stay fp32; changes the numerics; not with fsdp)")
     max_length: int = OutputField(2048, ge=8, description="samples are cut to this many tokens")
     tokens_per_micro_batch: int = OutputField(
-        2048, ge=8, description="packing budget of one micro-batch (sequences concatenated, no padding)")
+        1024, ge=8, description="packing budget of one micro-batch (sequences concatenated, no padding; a "
+                                "longer sample is a micro-batch of its own). 1024 beat 2048 in accept length "
+                                "at both measured data budgets (benchmarks/RESULTS.md)")
     micro_batches_per_step: int = OutputField(
         1, ge=1, description="micro-batches per optimizer step (the global batch; split across ranks)")
     warmup_ratio: float = OutputField(0.015, ge=0, lt=1)

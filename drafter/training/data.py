@@ -11,9 +11,10 @@ next micro-batch is the reader's data wait (`DumpReader.stats()`, logged when th
 permuted per shard. A `Cursor` (epoch, shard position, sample position) names the next sample to
 read, so a resumed run continues with exactly the batches an uninterrupted one would have seen.
 
-Packing: samples (cut to max_length and to the budget) are concatenated greedily into micro-batches
-of at most `tokens_per_micro_batch` tokens; a sample that does not fit starts the next one. No
-padding is computed: the TTT attention keeps documents apart.
+Packing: samples (cut to max_length) are concatenated greedily into micro-batches of at most
+`tokens_per_micro_batch` tokens; a sample that does not fit starts the next one, and a sample longer
+than the budget is a micro-batch of its own (never cut at the budget: the drafter must see long
+contexts whatever the batch size). No padding is computed: the TTT attention keeps documents apart.
 
 Splits: a `DumpSplit` is one committed dump output, optionally restricted to some of its shards,
 so held-out features can be a separate dump output or eval shards inside the training dump.
@@ -384,7 +385,7 @@ class Packer:
         used = 0
         first: Cursor | None = None
         for cur, s in stream:
-            s = _cut(s, min(self.max_length, self.budget))
+            s = _cut(s, self.max_length)
             n = int(s["input_ids"].shape[0])
             if n < 2:
                 continue

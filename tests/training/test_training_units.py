@@ -138,3 +138,16 @@ def test_micro_batch_without_loss_gives_a_zero_loss_that_backward_accepts():
     loss.backward()
     assert float(loss) == 0.0 and stats[:, 1:].sum() == 0
     assert all(p.grad is None or not p.grad.any() for p in m.parameters())
+
+
+def test_packer_gives_a_sample_longer_than_the_budget_its_own_micro_batch_uncut():
+    from drafter.training.data import Cursor, Packer
+
+    def sample(n):
+        return {"id": f"s{n}", "input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool),
+                "aux_hidden_states": torch.zeros(n, 6), "hidden_states": torch.zeros(n, 2)}
+
+    stream = [(Cursor(0, 0, i), sample(n)) for i, n in enumerate([30, 50, 150, 400, 20])]
+    got = [mb.doc_lens for _c, mb, _n in Packer(100, 300, prefetch=0).batches(iter(stream), Cursor(1, 0, 0))]
+    # 30 + 50 fit the budget; 150 is longer than it and kept whole; 400 is cut at max_length only
+    assert [list(d) for d in got] == [[30, 50], [150], [300], [20]]
