@@ -10,6 +10,7 @@ import logging
 import math
 import time
 from collections import Counter
+from urllib.parse import urlsplit
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Coroutine, TypeVar
@@ -39,6 +40,7 @@ class Shard:
     saved: bool = False
     digest: str = ""               # drafter.retrain.reuse.digest of the conversations' keys (resume check)
     servers: Counter = field(default_factory=Counter)  # which server answered each record's last turn
+    error_servers: Counter = field(default_factory=Counter)  # which server gave up on each error record
 
     def __post_init__(self) -> None:
         self.records = [None] * len(self.conversations)
@@ -114,10 +116,22 @@ def server_counts(shard: "Shard") -> dict[str, int]:
     return dict(sorted(shard.servers.items()))
 
 
+def without_server(detail: str, server: str) -> str:
+    """An error's detail with the server's address (URL, then host:port) replaced by `<server>`:
+    an error body or a connection error may name it, and fan-out child k serves on `serve.port + k`."""
+    if server:
+        detail = detail.replace(server, "<server>")
+        netloc = urlsplit(server).netloc
+        if netloc:
+            detail = detail.replace(netloc, "<server>")
+    return detail
+
+
 def write_shard_files(out: StageOutput, shard: Shard, records: list[dict], errors: list[dict],
                        check: RetokenizeCheck) -> None:
     if errors:
-        out.write_shard(shard.error_name, to_jsonl(errors), meta={"rows": len(errors)})
+        out.write_shard(shard.error_name, to_jsonl(errors),
+                        meta={"rows": len(errors), "servers": dict(sorted(shard.error_servers.items()))})
     out.write_shard(shard.name, to_jsonl(records),
                     meta={**shard_meta(records, errors, check), "servers": server_counts(shard),
                           "input_digest": shard.digest})
@@ -188,8 +202,7 @@ class _Generation:
             shard, position, conversation = job
             record, error, server = await self._regenerate(conversation)
             shard.finish(position, record, error)
-            if record is not None:
-                shard.servers[server] += 1
+            (shard.servers if record is not None else shard.error_servers)[server] += 1
             self.errors += error is not None
             self.done += 1
             if shard.remaining == 0:
@@ -223,10 +236,11 @@ class _Generation:
 
     # ---- one conversation
 
-    async def _regenerate(self, conversation: dict) -> tuple[dict | None, dict | None, str | None]:
-        """(record, None, the server of its last turn) or (None, error record, None). The record
-        does not name its server: the answers alone decide its bytes, whichever server (or fan-out
-        child) gave them; the shard's marker counts the servers."""
+    async def _regenerate(self, conversation: dict) -> tuple[dict | None, dict | None, str]:
+        """(record, None, the server of its last turn) or (None, error record, the server that gave
+        up). Neither record names its server (nor does an error's detail: `without_server`): the
+        answers, or the failure, alone decide the bytes, whichever server, port or fan-out child gave
+        them; the shard's marker counts the servers and the log names the one that failed."""
         history: list[dict] = []  # what the next turn is asked with: text only
         kept: list[dict] = []     # what the record keeps: the answers with their ids
         finish_reasons: list[str | None] = []
@@ -242,8 +256,12 @@ class _Generation:
             try:
                 answer = await self.client.chat(history, prefer=server)
             except RequestFailed as err:
+                log.warning("datagen: conversation %s left out: turn %d failed on %s (%s after %d attempt(s)): %s",
+                            conversation["id"], len(finish_reasons), err.server, err.reason, err.attempts,
+                            err.detail[:500])
                 return None, {"id": conversation["id"], "reason": err.reason, "attempts": err.attempts,
-                              "server": err.server, "turn": len(finish_reasons), "detail": err.detail[:500]}, None
+                              "turn": len(finish_reasons), "detail": without_server(err.detail, err.server)[:500]}, \
+                    err.server
             history.append({"role": "assistant", "content": answer.content})
             kept.append(history[-1] if answer.token_ids is None else {**history[-1], TOKEN_IDS: answer.token_ids})
             finish_reasons.append(answer.finish_reason)

@@ -11,8 +11,11 @@ Output (`datagen/<fingerprint>/`):
   engine returns it), present only when the server returned ids (drafter.serving.engines
   `answer_token_ids`). The dump trains on these ids and re-tokenises only records without them
   (drafter.tokenize); records written before ids were recorded simply have none;
-- `errors-00000.jsonl`, ...: `{"id", "reason", "attempts", "server", "turn", "detail"}` for the
-  conversations of that shard that could not be generated (only written when there are some).
+- `errors-00000.jsonl`, ...: `{"id", "reason", "attempts", "turn", "detail"}` for the
+  conversations of that shard that could not be generated (only written when there are some). Like
+  a record, an error record does not name its server (the detail has its address replaced by
+  `<server>`): fan-out child k serves on `serve.port + k`, and the bytes must not depend on it. The
+  shard's marker counts the servers (`servers`), and the log line of each failure names it.
 
 Without earlier outputs to reuse, shard i holds conversations [i*shard_size, (i+1)*shard_size) of
 the prepared split; each shard's marker records the digest of the conversations it was planned for,

@@ -18,8 +18,8 @@ from drafter.formats import iter_generations
 from drafter.serving.client import DatagenServerDown
 from drafter.stages import TABLE, datagen, prepare
 from drafter.store import open_store
-from tests.fixtures.datagen_fakes import (datagen_output, fakes, last_user, make_cfg, prepared,  # noqa: F401 (fixture)
-                                          run_datagen, sharegpt)
+from tests.fixtures.datagen_fakes import (FakeOpenAI, datagen_output, fakes, last_user, make_cfg,  # noqa: F401
+                                          prepared, run_datagen, sharegpt)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -121,14 +121,66 @@ def test_bad_requests_go_to_the_error_shard(tmp_path, fakes):
     result = run_datagen(cfg, store, prepared(cfg, store), [fake.url])
     assert [r["id"] for r in iter_generations(store, result.manifest)] == ["c000", "c003", "c004"]
     errors = list(iter_generations(store, result.manifest, errors=True))
-    assert [(e["id"], e["reason"], e["attempts"], e["turn"], e["server"]) for e in errors] == [
-        ("c001", "http_400", 1, 0, fake.url), ("c002", "http_500", 3, 1, fake.url)]
+    assert [(e["id"], e["reason"], e["attempts"], e["turn"]) for e in errors] == [
+        ("c001", "http_400", 1, 0), ("c002", "http_500", 3, 1)]
     assert "programmed 500" in errors[1]["detail"]
+    assert not any("server" in e for e in errors)  # its marker counts them (see the port test below)
+    assert [result.manifest.shard(n).meta["servers"] for n in ("errors-00000.jsonl", "errors-00001.jsonl")] == [
+        {fake.url: 1}, {fake.url: 1}]
     meta = result.manifest.meta
     assert meta["errors"] == 2 and meta["errors_by_reason"] == {"http_400": 1, "http_500": 1}
     assert meta["generated"] == 3 and meta["conversations"] == 5
     assert "errors-00000.jsonl" in [s.name for s in result.manifest.shards]
     assert "errors-00001.jsonl" in [s.name for s in result.manifest.shards]
+
+
+class EchoingFake(FakeOpenAI):
+    """A server whose refusals name its own address (as many error pages do)."""
+
+    def handle(self, body):
+        status, payload, headers = super().handle(body)
+        if status is not None and status != 200:
+            payload = {"error": {"message": f"programmed {status} from {self.url} ({self.url.split('//')[1]})"}}
+        return status, payload, headers
+
+
+def test_a_failed_request_gives_the_same_bytes_whatever_port_answered_it(tmp_path, caplog):
+    """Fan-out child k serves on `serve.port + k` (and a re-run may start its server on another
+    port): the committed output, error shards of both splits included, is the same bytes whichever
+    port refused the request. The address stays in the log and in the shard's marker."""
+    rows = [sharegpt(i, turns=1 + i % 2) for i in range(12)]
+    refused = lambda body, attempt: (400 if last_user(body).startswith(("question 3.", "question 7.")) else
+                                     500 if last_user(body) in ("question 5.1", "question 9.0") else None)
+    outputs, urls = [], []
+    for run in ("a", "b"):
+        fake = EchoingFake()
+        try:
+            fake.fail = refused
+            cfg = make_cfg(tmp_path, StorageConfig(root=f"file://{tmp_path}/{run}/store"), rows,
+                           concurrency_per_server=2, shard_size=3, max_consecutive_failures=50)
+            cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"eval_fraction": 0.35})})
+            store = open_store(cfg.storage)
+            with caplog.at_level("WARNING", logger="drafter.datagen.generate"):
+                result = run_datagen(cfg, store, prepared(cfg, store), [fake.url])
+        finally:
+            fake.close()
+        urls.append(fake.url)
+        out = datagen_output(cfg, store, prepared(cfg, store))
+        outputs.append({s.name: out.read_shard(s.name) for s in result.manifest.shards})
+        marked = Counter()
+        for s in result.manifest.shards:
+            if "errors-" in s.name:
+                marked.update(s.meta["servers"])
+        assert marked == {fake.url: result.manifest.meta["errors"] + result.manifest.meta["eval"]["errors"]}
+    assert urls[0] != urls[1]
+    a, b = outputs
+    assert any(n.startswith("errors-") for n in a) and any(n.startswith("eval-errors-") for n in a), sorted(a)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name] == b[name], (name, a[name][:300], b[name][:300])
+    assert not any(u.split("//")[1] in data.decode() for data in a.values() for u in urls)
+    logged = [r.getMessage() for r in caplog.records]
+    assert all(any(u in m and "c003" in m for m in logged) for u in urls), logged  # the address: in the log
 
 
 @pytest.mark.parametrize("failure", ["http_500", "vanish"])
