@@ -14,8 +14,17 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 VENV="${VENV:-$ROOT/.venv}"
 PREFECT="$VENV/bin/prefect"
 RUN_DIR="$PREFECT_HOME/run"
+# The workers' TMPDIR (infra/prefect-up.sh): Prefect's process worker writes each flow run's whole
+# environment there (prefect-workspace-attempt-*/workspace.json, a `serve.secrets: env:` value
+# included), left behind when a worker dies; infra/prefect-down.sh removes it.
+WORKER_TMP="$RUN_DIR/tmp"
 POOL="${DRAFTER_WORK_POOL:-drafter-local}"
-mkdir -p "$RUN_DIR"
+# The Prefect home holds the database (every run's parameters, states and logs) and the server's and
+# workers' logs: private to its owner (0700; prefect-up.sh starts the server with umask 077, so the
+# database and logs are 0600). A home of an older checkout is tightened the same way.
+(umask 077 && mkdir -p "$RUN_DIR")
+chmod 700 "$PREFECT_HOME" "$RUN_DIR"
+for f in "$PREFECT_HOME"/prefect.db* "$RUN_DIR"/*.log; do [ ! -f "$f" ] || chmod 600 "$f"; done
 # A flow run's own environment (the drafter logger in the run log, HF offline) is the deployments'
 # job_variables (deployments/prefect.yaml), so any process worker on the pool runs it the same way.
 

@@ -4,6 +4,10 @@
 set -euo pipefail
 source "$(dirname "$0")/prefect-env.sh"
 cd "$ROOT"
+# What this script creates under the Prefect home (the database, logs, the workers' TMPDIR) is the
+# owner's only; the workers themselves run with the caller's umask (their flow runs write the outputs).
+CALLER_UMASK=$(umask)
+umask 077
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
@@ -20,8 +24,11 @@ else
   echo "prefect server starting (log: $RUN_DIR/server.log)"
 fi
 
-for _ in $(seq 1 120); do
-  if "$VENV/bin/python" -c "import httpx,sys; sys.exit(httpx.get('$PREFECT_API_URL/health', timeout=2).status_code != 200)" 2>/dev/null; then
+# Wait while the server process lives, up to DRAFTER_PREFECT_START_TIMEOUT_S (default 600 s: a loaded
+# 2-core machine takes minutes, not the seconds an idle one does); a server that exits ends the wait.
+started=$SECONDS
+while [ $((SECONDS - started)) -lt "${DRAFTER_PREFECT_START_TIMEOUT_S:-600}" ]; do
+  if "$VENV/bin/python" -c "import httpx,sys; sys.exit(httpx.get('$PREFECT_API_URL/health', timeout=5).status_code != 200)" 2>/dev/null; then
     break
   fi
   alive "$RUN_DIR/server.pid" || { echo "prefect server exited:" >&2; tail -20 "$RUN_DIR/server.log" >&2; exit 1; }
@@ -54,7 +61,10 @@ for i in $(seq 1 "${DRAFTER_WORKERS:-1}"); do
   if alive "$RUN_DIR/$name.pid"; then
     echo "$name already running (pid $(cat "$RUN_DIR/$name.pid"))"
   else
-    setsid "$VENV/bin/python" "$ROOT/infra/worker.py" "$POOL" "$name" >"$RUN_DIR/$name.log" 2>&1 < /dev/null &
+    mkdir -p "$WORKER_TMP"
+    : >"$RUN_DIR/$name.log"  # 0600 (umask 077), kept when the worker's redirection truncates it
+    (umask "$CALLER_UMASK" && TMPDIR="$WORKER_TMP" exec setsid "$VENV/bin/python" "$ROOT/infra/worker.py" "$POOL" "$name" \
+      >"$RUN_DIR/$name.log" 2>&1 < /dev/null) &
     echo $! > "$RUN_DIR/$name.pid"
     echo "$name started (log: $RUN_DIR/$name.log)"
   fi

@@ -5,7 +5,7 @@ Render: a fan-out child's `job_variables` go through `KubernetesWorkerJobConfigu
 (`from_template_and_values` on the pool's template, then `prepare_for_flow_run`); the manifest it
 builds is what the worker hands to `create_namespaced_job`.
 
-Real server: `prefect server start` in a temporary PREFECT_HOME, `prefect work-pool create --type
+Real server: infra/prefect-up.sh in a temporary PREFECT_HOME (no worker), `prefect work-pool create --type
 kubernetes --base-job-template infra/k8s/base-job-template.json` (the README's command), the pool
 read back; then a deployment on the pool and a child flow run with its job variables, which the
 server validates against the pool's variables schema, rendered through the real client.
@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -26,8 +22,7 @@ import pytest
 from prefect.client.schemas.objects import Flow, FlowRun, WorkPool
 from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration  # the test extra
 
-from drafter.serving.ownership import group_members
-from tests.fixtures.net import free_port
+from tests.fixtures.local_prefect import local_prefect
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_PATH = "infra/k8s/base-job-template.json"
@@ -109,64 +104,19 @@ def test_defaults_render_one_gpu_64gi_shm_and_an_empty_node_selector():
 # --- a real Prefect server ---------------------------------------------------------------------
 
 
-def _env(home: Path, api_url: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home), PREFECT_API_URL=api_url,
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
-    return env
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A `prefect server start` of its own (SQLite in a temporary PREFECT_HOME), in its own process
-    group, which teardown kills and checks empty."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
-    env = _env(home, api_url)
-    log = home / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                env=env, cwd=home, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 45
-        while not _healthy(f"{api_url}/health"):
-            assert proc.poll() is None, f"the server exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"no /api/health in 45 s:\n{log.read_text()[-3000:]}"
-            time.sleep(0.25)
-        yield {"env": env, "api_url": api_url, "log": log}
-    finally:
-        pgid = proc.pid  # start_new_session: the group and the session are the server's pid
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        deadline = time.monotonic() + 15
-        while group_members(pgid, pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = group_members(pgid, pgid)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        assert not left, f"server processes left behind: {left}"
+    """The suite's one way to a real Prefect server (tests/fixtures/local_prefect.py: infra/prefect-up.sh
+    in a temporary PREFECT_HOME, infra/prefect-down.sh after, checked), without a worker: nothing
+    here runs a flow. Its start waits as long as the server makes progress, never a short fixed
+    deadline (a fixed 45 s here missed by 0.16 s on a loaded machine)."""
+    with local_prefect(tmp_path_factory.mktemp("prefect-k8s") / "home", DRAFTER_WORKERS="0") as env:
+        yield {"env": env, "api_url": env["PREFECT_API_URL"]}
 
 
 def prefect_cli(server, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(PREFECT), *args], env=server["env"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="module")
