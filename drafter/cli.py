@@ -46,7 +46,7 @@ def config_validate(files: list[Path] = typer.Argument(..., help="profiles to ch
     """Print every problem in each profile. Exit 1 if any profile is invalid; exit 5 if they are valid
     but name local paths missing on this machine (a profile for a cluster checked on a laptop:
     warnings, not problems); 0 otherwise."""
-    from drafter.config import path_problems
+    from drafter.config import path_problems, storage_problems
     from drafter.errors import EXIT_PATHS_MISSING
     from drafter.secrets import secret_looking_env
 
@@ -54,6 +54,8 @@ def config_validate(files: list[Path] = typer.Argument(..., help="profiles to ch
     for path in files:
         try:
             cfg = load_config(path)
+            if not offline and (unusable := storage_problems(cfg)):
+                raise ConfigError(unusable, str(path))
             decided = _sglang_decides(cfg, path) if cfg.serve.engine == "sglang" else ""
             absent = [] if offline else path_problems(cfg)
             missing += bool(absent)
@@ -315,7 +317,7 @@ def serve(config: Path = ConfigOpt,
           quiet: bool = typer.Option(False, help="do not echo server log lines")) -> None:
     """Run an inference server with validated speculative settings behind the readiness gate.
     The drafter: --draft, else serve.draft_path, else this configuration's export."""
-    from drafter.serving.check import check_server, serve_forever
+    from drafter.serving.check import check_exit_code, check_server, serve_forever
     from drafter.stages import TABLE
 
     cfg = _load(config, {"serve.draft_path": draft})
@@ -325,7 +327,10 @@ def serve(config: Path = ConfigOpt,
     if check:
         report = check_server(cfg, draft_path=draft_path, faults=tuple(fault), on_line=on_line)
         typer.echo(json.dumps(report, default=str))
-        raise typer.Exit(0 if report["status"] == "ready" else 1)
+        if report["status"] != "ready":  # the JSON line for programs, one line for a person
+            first_line = (report["message"] or "").partition("\n")[0]
+            typer.echo(f"error ({report['status']}): {first_line}", err=True)
+        raise typer.Exit(check_exit_code(report))
     result = serve_forever(cfg, draft_path=draft_path, on_line=on_line)
     typer.echo(result["message"], err=True)
     raise typer.Exit(result.get("exit_code", 0))
@@ -375,17 +380,19 @@ def verify(target: str = typer.Argument(..., help="a stage name (its output for 
         storage = cfg.storage.model_copy(update={"root": root}) if cfg else None
         from drafter.config import StorageConfig
 
-        out = StageOutput(open_store(storage or StorageConfig(root=root)), stage, fingerprint)
+        # a read: a store that is not there is said so, never created
+        out = StageOutput(open_store(storage or StorageConfig(root=root), create=False), stage, fingerprint)
     else:
         if target not in TABLE.names or cfg is None:
             typer.echo(f"verify {target}: give a stage ({', '.join(TABLE.names)}) with --config, or an "
                        f"output URI", err=True)
             raise typer.Exit(2)
-        fingerprint = TABLE.fingerprints(cfg)[TABLE[target].name]
+        store = open_store(cfg.storage, create=False)  # a read: a store that is not there is said so
+        fingerprint = TABLE.fingerprints(cfg, store=store)[TABLE[target].name]
         if fingerprint is None:
             typer.echo(f"verify {target}: this stage stores no output", err=True)
             raise typer.Exit(2)
-        out = StageOutput(open_store(cfg.storage), target, fingerprint)
+        out = StageOutput(store, target, fingerprint)
     bar = _progress_bar(f"verify {out.stage}")
     try:
         report = (out.repair if repair else out.verify)(progress=bar.update_to)
@@ -453,11 +460,12 @@ def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
 def main() -> None:
     """Console entry point, the one error boundary: an expected failure (any DrafterError: bad
     input, a missing upstream output, a corrupt shard, a server that would not start...) is one
-    line on stderr and a documented exit code (drafter.errors), its traceback only with --debug;
+    line on stderr and a documented exit code (drafter.errors), its traceback only with --debug (so
+    is a full disk, ENOSPC / EDQUOT, wherever it is hit: exit 4, never retried);
     Ctrl-C / SIGTERM exit 130 / 143; anything else is a bug and keeps its traceback."""
     import signal
 
-    from drafter.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, DrafterError, describe, exit_code
+    from drafter.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, DrafterError, describe, disk_full, exit_code
     from drafter.serving.session import Terminated
 
     def terminate(signum, frame):  # SIGTERM's default skips `finally`: every command cleans up instead
@@ -476,6 +484,15 @@ def main() -> None:
         if not Terminated.seen:
             typer.echo("interrupted", err=True)
     except DrafterError as err:
+        if _DEBUG:
+            import traceback
+
+            traceback.print_exc()
+        typer.echo(describe(err), err=True)
+        code = exit_code(err)
+    except OSError as err:  # a full disk anywhere (a checkpoint, a scratch folder): expected, not a bug
+        if not disk_full(err):
+            raise
         if _DEBUG:
             import traceback
 

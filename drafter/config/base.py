@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from drafter.errors import DrafterError
+from drafter.errors import EXIT_CONFIG, DrafterError
 
 
 def _declared(default: Any, fingerprint: bool, kw: dict[str, Any]) -> Any:
@@ -47,7 +47,10 @@ class Strict(BaseModel):
 
 
 class ConfigError(DrafterError):
-    """Invalid configuration. Never retried. `problems` is a list of (field, message)."""
+    """Invalid configuration. Never retried (exit 2, wherever it is raised: at load, or by a stage
+    that finds the configuration cannot serve it). `problems` is a list of (field, message)."""
+
+    exit_code = EXIT_CONFIG
 
     def __init__(self, problems: list[tuple[str, str]], source: str | None = None):
         self.problems = problems

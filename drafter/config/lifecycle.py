@@ -9,6 +9,9 @@ from drafter.config.sections import (
     TrainConfig)
 from drafter.config.target import TargetConfig
 from drafter.layers import aux_layer_id_problem, default_aux_layer_ids
+from drafter.retrain.registry_names import registry_name_problem
+
+MAX_PORT = 65535
 
 
 class LifecycleConfig(Strict):
@@ -39,14 +42,26 @@ class LifecycleConfig(Strict):
         return self
 
     def aux_layer_ids(self) -> list[int]:
-        """The configured aux layer ids, or the default for the target's depth."""
+        """The configured aux layer ids, or the default for the target's depth. The default of a
+        very shallow target (under 7 layers) is not three distinct layers: asked for then (by the
+        stages that dump, train or export a drafter), that is a ConfigError naming the field. A
+        profile that never asks (serve-only: a drafter directory, the target alone) needs no dump
+        fields, whatever the target's depth."""
         if self.dump.aux_layer_ids is not None:
             return list(self.dump.aux_layer_ids)
         layers = self.target.resolved_shape()["num_hidden_layers"]
         if layers is None:
             raise ConfigError([("target.num_hidden_layers",
                                 "unknown: set it or point target.path at a model with config.json")])
-        return default_aux_layer_ids(layers)
+        ids = default_aux_layer_ids(layers)
+        if len(set(ids)) != 3:
+            raise ConfigError([("dump.aux_layer_ids", f"the default {ids} for a {layers}-layer target is not three "
+                                                      f"distinct layers; set them explicitly")])
+        return ids
+
+    def registry_name(self) -> str:
+        """The drafter registry's name for this profile: `retrain.drafter_name`, else `name`."""
+        return self.retrain.drafter_name or self.name
 
 
 def cross_field_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
@@ -57,10 +72,8 @@ def cross_field_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
     ids = cfg.dump.aux_layer_ids
     if ids is not None and len(set(ids)) != 3:
         problems.append(("dump.aux_layer_ids", f"{ids} must be three distinct layers"))
-    if ids is None and layers is not None and len(set(default_aux_layer_ids(layers))) != 3:
-        problems.append(("dump.aux_layer_ids",
-                         f"the default {default_aux_layer_ids(layers)} for a {layers}-layer target is "
-                         f"not three distinct layers; set them explicitly"))
+    # (the default ids of a very shallow target are checked when a stage asks for them:
+    # `LifecycleConfig.aux_layer_ids`; a serve-only profile never does)
     if ids is not None and layers is not None:
         problem = aux_layer_id_problem(ids, layers)
         if problem is not None:
@@ -76,5 +89,45 @@ def cross_field_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
     if vocab is not None and cfg.train.draft_vocab_size > vocab:
         problems.append(("train.draft_vocab_size",
                          f"{cfg.train.draft_vocab_size} exceeds the target vocab ({vocab})"))
+    if (problem := registry_name_problem(cfg.registry_name())) is not None:
+        field = "retrain.drafter_name" if cfg.retrain.drafter_name else "name"
+        problems.append((field, problem + ("" if cfg.retrain.drafter_name else
+                                           " (the profile's name is the registry name unless retrain.drafter_name "
+                                           "is set)")))
+    problems += port_problems(cfg)
     return problems
+
+
+def port_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
+    """Servers started on ports above `serve.port` must stay at or below 65535: a fanned-out stage's
+    children serve on `serve.port + range index` (drafter.fanout.child_config, up to `workers` - 1),
+    and the bench's concurrent interleave serves its servers at once on `serve.port + index`
+    (drafter.bench.plan: the baseline, every distinct `bench.speculative` setting once per drafter,
+    two drafters with `retrain.bench`, and each setting again per `bench.accept_curve` length)."""
+    port, problems = cfg.serve.port, []
+    for section in ("datagen", "dump"):
+        workers = getattr(cfg, section).workers
+        if port + workers - 1 > MAX_PORT:
+            problems.append(("serve.port", f"{section}.workers={workers} children serve on serve.port + their range "
+                                           f"index, up to {port + workers - 1} > {MAX_PORT}: set serve.port "
+                                           f"<= {MAX_PORT - workers + 1}"))
+    servers = bench_servers_at_most(cfg)
+    if servers is not None and port + servers - 1 > MAX_PORT:
+        problems.append(("serve.port", f"the bench's concurrent interleave serves up to {servers} servers on "
+                                       f"consecutive ports from serve.port={port}, up to {port + servers - 1} > "
+                                       f"{MAX_PORT}: set serve.port <= {MAX_PORT - servers + 1} (or "
+                                       f"bench.interleave: relaunch)"))
+    return problems
+
+
+def bench_servers_at_most(cfg: LifecycleConfig) -> int | None:
+    """How many servers the bench's sweep may run at once on consecutive ports (an upper bound: the
+    plan may skip settings the engine refuses), None when it runs one at a time (relaunch)."""
+    from drafter.bench.plan import resolve_interleave, server_key  # the plan's own rules
+
+    if resolve_interleave(cfg) != "concurrent":
+        return None
+    settings = len({server_key(spec) for spec in cfg.bench.speculative})
+    drafters = 2 if cfg.retrain.bench else 1  # challenger and champion, head to head
+    return 1 + settings * drafters + settings * len(cfg.bench.accept_curve)
 

@@ -449,6 +449,9 @@ class StorageConfig(Strict):
 
         if not (v.startswith("file://") or v.startswith("s3://")):
             raise ValueError("root must start with file:// or s3://")
+        if v == "file://":
+            raise ValueError("file:// root needs a directory: file://DIR (relative to the current directory) "
+                             "or file:///ABSOLUTE/DIR")
         if v.startswith("s3://") and len(v) <= len("s3://"):
             raise ValueError("s3 root needs a bucket: s3://BUCKET/PREFIX")
         if v.startswith("s3://"):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import re
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -32,20 +31,23 @@ from typing import TypeVar
 
 from drafter.errors import DrafterError
 from drafter.formats import EXPORT
+from drafter.retrain.registry_names import registry_name_problem
 from drafter.stage_output import StageOutput, check_fingerprint
-from drafter.store import ObjectNotFound, ObjectStore
+from drafter.store import InvalidName, ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ROOT = "_registry"
 CHAMPION = "champion"  # `serve.draft_path: champion`, `train.init_from: champion`
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 # A write loses the race at most once per other writer that wrote meanwhile: 16 covers 16 writers.
 WRITE_ATTEMPTS = 16
 _sleep = time.sleep  # tests make the pause between attempts instant
-_EVENT_KEYS = ("seq", "action", "export", "previous")
-_SHAPE = 'a JSON object {"events": [{"seq", "action", "export", "previous", ...}, ...], "decisions": [...]}'
+_EVENT_KEYS = ("seq", "action", "export", "at", "reason", "previous")
+_ACTIONS = ("promote", "rollback")
+_DECISION_KEYS = ("at", "verdict", "challenger")
+_SHAPE = ('a JSON object {"events": [{"seq", "action", "export", "at", "reason", "previous", ...}, ...], '
+          '"decisions": [{"at", "verdict", "challenger", ...}, ...]}')
 
 
 class RegistryError(DrafterError):
@@ -74,18 +76,62 @@ def _shape_problem(doc) -> str | None:
     for field in ("events", "decisions"):
         if not isinstance(doc.get(field), list):
             return f"{field!r}: {type(doc.get(field)).__name__ if field in doc else 'missing'}"
-    for i, event in enumerate(doc["events"]):
-        if not _event_ok(event, i):
-            return f"event {i}: {json.dumps(event)[:80]}"
+    for what, items, check in (("event", doc["events"], _event_problem), ("decision", doc["decisions"], _decision_problem)):
+        for i, item in enumerate(items):
+            if (problem := check(item, i)) is not None:
+                return f"{what} {i}: {problem}: {json.dumps(item)[:80]}"
     return None
 
 
-def _event_ok(event, i: int) -> bool:
-    """Event `i` has its fields, its seq is its position and `previous` an earlier event (or None)."""
-    if not isinstance(event, dict) or any(k not in event for k in _EVENT_KEYS) or event["seq"] != i:
-        return False
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fingerprint_problem(value, field: str) -> str | None:
+    """An export is named by its fingerprint, one plain segment of the store's keys: never a path."""
+    try:
+        check_fingerprint(value, field)
+    except InvalidName:
+        return f"{field} {value!r} is not an export fingerprint"
+    return None
+
+
+def _event_problem(event, i: int) -> str | None:
+    """What is wrong with event `i`, None if nothing: it has every field, its seq is its position,
+    its action is one we write, its export a fingerprint (never a path), `at` and `reason` text,
+    and `previous` an earlier event (or None)."""
+    if not isinstance(event, dict):
+        return "not an object"
+    missing = [k for k in _EVENT_KEYS if k not in event]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    if not _is_int(event["seq"]) or event["seq"] != i:
+        return f"seq {event['seq']!r} is not its position {i}"
+    if event["action"] not in _ACTIONS:
+        return f"action {event['action']!r} is not one of {', '.join(_ACTIONS)}"
+    if (problem := _fingerprint_problem(event["export"], "export")) is not None:
+        return problem
+    for field in ("at", "reason"):
+        if not isinstance(event[field], str):
+            return f"{field} is not text"
     previous = event["previous"]
-    return previous is None or (isinstance(previous, int) and 0 <= previous < i)
+    if not (previous is None or (_is_int(previous) and 0 <= previous < i)):
+        return f"previous {previous!r} is not an earlier event"
+    if not isinstance(event.get("figures", {}), dict):
+        return "figures is not an object"
+    return None
+
+
+def _decision_problem(decision, i: int) -> str | None:
+    """What is wrong with a recorded verdict, None if nothing (the report and the plot read them)."""
+    if not isinstance(decision, dict):
+        return "not an object"
+    missing = [k for k in _DECISION_KEYS if k not in decision]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    if not isinstance(decision["at"], str) or not isinstance(decision["verdict"], str):
+        return "at and verdict must be text"
+    return _fingerprint_problem(decision["challenger"], "challenger")
 
 
 def _before(events: list[dict], event: dict) -> dict | None:
@@ -103,8 +149,8 @@ class Registry:
     """The champion of one drafter name for one target."""
 
     def __init__(self, store: ObjectStore, target: str, name: str):
-        if not _NAME.match(name):
-            raise RegistryError(f"drafter name {name!r}: use letters, digits, '.', '_' or '-'")
+        if (problem := registry_name_problem(name)) is not None:
+            raise RegistryError(problem)
         check_fingerprint(target, "target fingerprint")
         self.store, self.target, self.name = store, target, name
         self.key = f"{ROOT}/{target}/{name}.json"
@@ -115,8 +161,7 @@ class Registry:
         (default: the profile's `name`)."""
         from drafter.target_identity import target_fingerprint
 
-        return cls(store, target_fingerprint(cfg.target.path, cfg.target.revision),
-                   cfg.retrain.drafter_name or cfg.name)
+        return cls(store, target_fingerprint(cfg.target.path, cfg.target.revision), cfg.registry_name())
 
     @property
     def uri(self) -> str:
@@ -247,7 +292,7 @@ class Registry:
                 raise RegistryError(f"{self.name}: champion {current['export']} is the first one, "
                                     f"nothing to roll back to")
             event = {"seq": len(events), "action": "rollback", "export": back_to["export"], "at": _now(),
-                     "reason": f"{reason} (from {current['export']})", "figures": back_to["figures"],
+                     "reason": f"{reason} (from {current['export']})", "figures": back_to.get("figures", {}),
                      "previous": back_to["previous"]}
             events.append(event)
             return event

@@ -65,6 +65,19 @@ def check_server(cfg: LifecycleConfig, draft_path: str | None = None, faults: Se
     return result
 
 
+def check_exit_code(report: Mapping[str, Any]) -> int:
+    """The exit code of `drafter serve --check` (README, exit codes): 0 ready; 2 a configuration error
+    (bad settings, a missing model or drafter, a taken port: retrying cannot help); 3 a start a retry
+    may fix (crashed, stalled, health check timed out); 4 any other failure."""
+    from drafter.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_RETRYABLE
+
+    if report["status"] == "ready":
+        return 0
+    if report["status"] == "config_error":
+        return EXIT_CONFIG
+    return EXIT_RETRYABLE if report.get("retryable") else EXIT_FAILED
+
+
 def serve_forever(cfg: LifecycleConfig, draft_path: str | None = None, on_line: OnLine | None = None, *,
                   on_ready: Callable[[dict[str, Any]], None] | None = None,
                   log_dir: str | os.PathLike | None = None,

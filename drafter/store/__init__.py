@@ -30,25 +30,29 @@ from drafter.backoff import backoff_delay
 from drafter.config import StorageConfig
 from drafter.store.base import MiB, TMP_MARK, ObjectStore, check_key, check_prefix
 from drafter.store.errors import (
-    BucketError, CorruptObject, CredentialsError, InvalidName, ObjectNotFound, OperationTimeout, StoreError,
-    repair_hint)
+    BucketError, CorruptObject, CredentialsError, InvalidName, ObjectNotFound, OperationTimeout, StorageFull,
+    StoreError, StoreRootError, repair_hint)
 from drafter.store.files import atomic_write
-from drafter.store.local import FileStore
+from drafter.store.local import FileStore, local_root_problem
 from drafter.store.s3 import S3Store
 
 __all__ = ["MiB", "TMP_MARK", "ObjectStore", "check_key", "check_prefix", "BucketError", "CorruptObject",
-           "CredentialsError", "InvalidName", "ObjectNotFound", "OperationTimeout", "StoreError", "repair_hint",
-           "atomic_write", "FileStore", "S3Store", "open_store", "backoff_delay"]
+           "CredentialsError", "InvalidName", "ObjectNotFound", "OperationTimeout", "StorageFull", "StoreError",
+           "StoreRootError", "repair_hint", "atomic_write", "FileStore", "S3Store", "open_store",
+           "local_root_problem", "backoff_delay"]
 
 
-def open_store(cfg: StorageConfig) -> ObjectStore:
-    """file://DIR (relative to the current directory, resolved now) or s3://BUCKET[/PREFIX]."""
+def open_store(cfg: StorageConfig, *, create: bool = True) -> ObjectStore:
+    """file://DIR (relative to the current directory, resolved now) or s3://BUCKET[/PREFIX].
+    A local root that is a file or cannot be created is `StoreRootError` (exit 2); `create=False`
+    (a read of an existing store: `drafter verify`) creates nothing and makes a missing local root
+    `ObjectNotFound`."""
     root = cfg.root
     if root.startswith("file://"):
         path = root[len("file://"):]
         if not path:
-            raise StoreError("storage.root: file:// needs a directory")
-        return FileStore(path)
+            raise StoreRootError("storage.root: file:// needs a directory")
+        return FileStore(path, create=create)
     if root.startswith("s3://"):
         bucket, _, prefix = root[len("s3://"):].partition("/")
         return S3Store(bucket, prefix, endpoint_url=cfg.endpoint_url, region=cfg.region,

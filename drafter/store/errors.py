@@ -3,13 +3,33 @@ from __future__ import annotations
 
 import re
 
-from drafter.errors import EXIT_CONFIG, DrafterError
+from drafter.errors import DISK_FULL_HINT, EXIT_CONFIG, DrafterError
 
 
 class StoreError(DrafterError):
     """A storage operation failed (after retries, where retrying made sense): a later attempt may work."""
 
     retryable = True
+
+
+class StoreRootError(StoreError):
+    """A `file://` root that is not a directory and cannot be made one (a file, a path under a
+    file, a folder we may not create): fix `storage.root` (or the output URI). Refused when the
+    store is opened, before anything is read or written."""
+
+    retryable = False
+    exit_code = EXIT_CONFIG
+
+
+class StorageFull(StoreError):
+    """A local write failed because the disk is full or a quota is exhausted (ENOSPC / EDQUOT).
+    Never retried: the same work would fail at the same place; a person must free space."""
+
+    retryable = False
+
+    def __init__(self, what: str, err: OSError | None = None):
+        # (one argument: the whole message, as unpickling replays it across processes)
+        super().__init__(what if err is None else f"{what}: {err.strerror or err}: {DISK_FULL_HINT}")
 
 
 class OperationTimeout(StoreError):

@@ -14,19 +14,59 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from drafter.errors import disk_full
 from drafter.hashing import CHUNK, sha256_hex
 from drafter.store.base import TMP_MARK, ObjectStore, check_key, check_prefix
-from drafter.store.errors import CorruptObject, ObjectNotFound, StoreError
+from drafter.store.errors import CorruptObject, ObjectNotFound, StorageFull, StoreError, StoreRootError
 from drafter.store.files import _copy_stream, _open_local, atomic_write
+
+
+def local_root_problem(root: str | os.PathLike, *, writable: bool = False) -> str | None:
+    """Why `root` cannot be a `file://` store root here, to follow the root's name ("is a file, not
+    a directory", "cannot be created: ANCESTOR is a file, not a directory"), None if it can: it must
+    be a directory, or a path whose nearest existing ancestor is a directory (so it can be created).
+    With `writable` (`config validate`), that directory must also be writable by us. The one rule
+    for the store root: `config validate` and `FileStore` both ask it."""
+    path = Path(root).expanduser().absolute()
+    probe = path
+    try:
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        is_dir = probe.is_dir()
+    except OSError as e:  # a folder on the way we may not look into
+        return f"cannot be checked: {e.strerror or e}"
+    if not is_dir:
+        kind = "a file, not a directory" if probe.is_file() else "not a directory"
+        return f"is {kind}" if probe == path else f"cannot be created: {probe} is {kind}"
+    if writable and not os.access(probe, os.W_OK | os.X_OK):
+        return ("is not writable by this user" if probe == path
+                else f"cannot be created: {probe} is not writable by this user")
+    return None
 
 
 class FileStore(ObjectStore):
     """Objects are files under `root_dir`; the key is the relative path. Unlike S3, a key cannot
-    also be a "directory" of other keys ("a" and "a/b" together): stage layouts never need that."""
+    also be a "directory" of other keys ("a" and "a/b" together): stage layouts never need that.
 
-    def __init__(self, root_dir: str | os.PathLike):
+    The root is checked when the store is opened (`local_root_problem`: a file, or a path under a
+    file, is `StoreRootError`, exit 2). `create=False` opens an existing store only (a read such as
+    `drafter verify`): a root that does not exist is `ObjectNotFound`, and nothing is created."""
+
+    def __init__(self, root_dir: str | os.PathLike, *, create: bool = True):
         self.root = Path(root_dir).expanduser().resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        problem = local_root_problem(self.root)
+        if problem is not None:
+            raise StoreRootError(f"storage root file://{self.root} {problem}")
+        if not create:
+            if not self.root.is_dir():
+                raise ObjectNotFound(f"no store at file://{self.root}: the directory does not exist")
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            if disk_full(e):
+                raise StorageFull(f"storage root file://{self.root}", e) from e
+            raise StoreRootError(f"storage root file://{self.root} cannot be created: {e.strerror or e}") from e
 
     def __repr__(self) -> str:
         return f"FileStore({str(self.root)!r})"
@@ -46,6 +86,8 @@ class FileStore(ObjectStore):
         except IsADirectoryError as e:
             raise ObjectNotFound(f"{op}: {self.uri(key)} is a directory, not an object") from e
         except OSError as e:
+            if disk_full(e):
+                raise StorageFull(f"{op} {self.uri(key)}", e) from e
             raise StoreError(f"{op} {self.uri(key)}: {e}") from e
 
     def put_bytes(self, key: str, data: bytes) -> None:
@@ -105,6 +147,8 @@ class FileStore(ObjectStore):
             try:
                 atomic_write(Path(path), lambda f: _copy_stream(src, f))
             except OSError as e:
+                if disk_full(e):
+                    raise StorageFull(f"get {self.uri(key)}: cannot write {path}", e) from e
                 raise StoreError(f"get {self.uri(key)}: cannot write {path}: {e}") from e
 
     def iter_chunks(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:

@@ -31,10 +31,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from drafter.backoff import backoff_delay
+from drafter.errors import disk_full
 from drafter.hashing import CHUNK
 from drafter.store.base import MiB, ObjectStore, check_key, check_prefix
 from drafter.store.errors import (
-    BucketError, CorruptObject, CredentialsError, InvalidName, ObjectNotFound, OperationTimeout, StoreError)
+    BucketError, CorruptObject, CredentialsError, InvalidName, ObjectNotFound, OperationTimeout, StorageFull,
+    StoreError)
 from drafter.store.files import _open_local, atomic_write
 
 log = logging.getLogger(__name__)
@@ -407,6 +409,8 @@ class S3Store(ObjectStore):
         try:
             self._retry("get", key, download)
         except OSError as e:
+            if disk_full(e):
+                raise StorageFull(f"get {self.uri(key)}: cannot write {path}", e) from e
             raise StoreError(f"get {self.uri(key)}: cannot write {path}: {e}") from e
 
     def size(self, key: str) -> int | None:

@@ -81,3 +81,30 @@ def test_sigterm_exits_143_and_saves_nothing(tmp_path):
     assert proc.returncode == 143, err[-2000:]
     assert "terminated" in err and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "target" / "model.safetensors").exists()
+
+
+def test_expected_failures_of_issue_32_are_one_line_with_their_exit_code(tmp_path):
+    """Each used to end in a traceback or the wrong exit code (issue 32): a store root under a file
+    (a 46-line traceback), a store that does not exist (created by verify), `serve --check` of a
+    configuration error (exit 1, not 2)."""
+    import yaml
+
+    passwd = _run("verify", "file:///../../etc/passwd/dump/abc")
+    assert passwd.returncode == 2 and "Traceback" not in passwd.stderr
+    assert passwd.stderr.strip() == "error (StoreRootError): storage root file:///etc/passwd is a file, not a directory"
+    nowhere = _run("verify", f"file://{tmp_path}/nowhere/dump/ab12cd34ef56ab78")
+    assert nowhere.returncode == 4 and "Traceback" not in nowhere.stderr
+    assert nowhere.stderr.strip().splitlines()[-1] == (f"error (ObjectNotFound): no store at file://{tmp_path}/nowhere: "
+                                                        f"the directory does not exist")
+    assert not (tmp_path / "nowhere").exists()
+    profile = tmp_path / "p.yaml"
+    profile.write_text(yaml.safe_dump({
+        "target": {"path": str(tmp_path / "no-model"), "num_hidden_layers": 8, "vocab_size": 1000},
+        "serve": {"engine": "reference", "device": "cpu", "draft_path": str(tmp_path),
+                  "log_dir": str(tmp_path / "logs")},
+        "storage": {"root": f"file://{tmp_path}/store"}}))
+    check = _run("serve", "--check", "--config", str(profile))
+    assert check.returncode == 2 and "Traceback" not in check.stderr, check.stderr
+    assert '"status": "config_error"' in check.stdout
+    assert check.stderr.strip().splitlines()[-1].startswith("error (config_error): preflight failed: model path "
+                                                            f"does not exist: {tmp_path / 'no-model'}")

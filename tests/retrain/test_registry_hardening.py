@@ -225,3 +225,80 @@ def test_a_path_like_fingerprint_on_the_command_line_is_a_usage_error(tmp_path, 
         code, err = drafter(monkeypatch, capsys, *argv)
         assert code == 2 and "Traceback" not in err, (argv, code, err)
         assert err.startswith("error (InvalidName): invalid ") and len(err.strip().splitlines()) == 1, err
+
+
+# ---- events that `registry list` and the champion's readers could not use (issue 32)
+
+
+def _event(**changes) -> dict:
+    event = {"seq": 0, "action": "promote", "export": "e1", "at": "2026-12-01T00:00:00+00:00", "reason": "r",
+             "figures": {}, "previous": None}
+    event.update(changes)
+    return {k: v for k, v in event.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("event, says", [
+    (_event(at=_DROP), "missing at"),
+    (_event(reason=_DROP), "missing reason"),
+    (_event(at=_DROP, reason=_DROP), "missing at, reason"),
+    (_event(export="../../../../tmp"), "export '../../../../tmp' is not an export fingerprint"),
+    (_event(export="/tmp/x"), "export '/tmp/x' is not an export fingerprint"),
+    (_event(export=7), "export 7 is not an export fingerprint"),
+    (_event(action="delete"), "action 'delete' is not one of promote, rollback"),
+    (_event(seq=True), "seq True is not its position 0"),
+    (_event(at=3), "at is not text"),
+    (_event(previous=0), "previous 0 is not an earlier event"),
+    (_event(figures=[1]), "figures is not an object"),
+])
+def test_an_event_the_readers_cannot_use_is_a_one_line_error(tmp_path, monkeypatch, capsys, event, says):
+    """`registry list` died with `KeyError: 'at'` on an event without `at`, and printed an event's
+    `export: ../../../../tmp` as the champion: the shape check now names the event and the field."""
+    from drafter.config import load_config
+
+    path = registry_profile(tmp_path)
+    reg = Registry.for_config(load_config(path), open_store(StorageConfig(root=f"file://{tmp_path}/store")))
+    reg.store.put_bytes(reg.key, json.dumps({"target": reg.target, "name": reg.name, "events": [event],
+                                             "decisions": []}).encode())
+    with pytest.raises(RegistryError, match=f"is not a registry document: .*, got event 0: {says}"):
+        reg.champion_export()
+    for argv in (["registry", "list"], ["registry", "list", "--all"]):
+        code, err = drafter(monkeypatch, capsys, *argv, "-c", path)
+        assert code == 4 and "Traceback" not in err and "KeyError" not in err, err
+        assert len(err.strip().splitlines()) == 1 and f"got event 0: {says}" in err, err
+
+
+@pytest.mark.parametrize("decision, says", [
+    ({"verdict": "promoted", "challenger": "e1"}, "missing at"),
+    ({"at": "t", "verdict": "promoted", "challenger": "../x"}, "challenger '../x' is not an export fingerprint"),
+    ("promoted", "not an object"),
+])
+def test_a_decision_the_report_cannot_use_is_refused(tmp_path, decision, says):
+    store = FileStore(tmp_path / "store")
+    reg = Registry(store, "t0", "demo")
+    store.put_bytes(reg.key, json.dumps({"events": [_event()], "decisions": [decision]}).encode())
+    with pytest.raises(RegistryError, match=f"got decision 0: {says}"):
+        reg.decisions()
+
+
+def test_registry_list_prints_what_the_registry_wrote(tmp_path, monkeypatch, capsys):
+    """The shape check accepts every document the registry itself writes (promote, rollback, verdicts)."""
+    from drafter.config import load_config
+
+    path = registry_profile(tmp_path)
+    reg = Registry.for_config(load_config(path), open_store(StorageConfig(root=f"file://{tmp_path}/store")))
+    for fp in ("e1", "e2"):
+        reg.promote(fake_export(reg.store, fp, reg.target), f"why {fp}",
+                    decision={"verdict": "promoted", "challenger": fp})
+    reg.record_decision({"verdict": "rejected", "challenger": "e1"})
+    reg.rollback()
+    monkeypatch.setattr(sys, "argv", ["drafter", "registry", "list", "-c", path])
+    from drafter import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main()
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and out.splitlines()[0].endswith("champion e1")
+    assert [line.split()[2] for line in out.splitlines()[1:]] == ["promote", "promote", "rollback"]
