@@ -94,7 +94,6 @@ def cross_field_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
         problems.append((field, problem + ("" if cfg.retrain.drafter_name else
                                            " (the profile's name is the registry name unless retrain.drafter_name "
                                            "is set)")))
-    problems += port_problems(cfg)
     return problems
 
 
@@ -103,7 +102,12 @@ def port_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
     children serve on `serve.port + range index` (drafter.fanout.child_config, up to `workers` - 1),
     and the bench's concurrent interleave serves its servers at once on `serve.port + index`
     (drafter.bench.plan: the baseline, every distinct `bench.speculative` setting once per drafter,
-    two drafters with `retrain.bench`, and each setting again per `bench.accept_curve` length)."""
+    two drafters with `retrain.bench`, and each setting again per `bench.accept_curve` length).
+
+    A check of the profile, made where one is read (`parse_config`, `load_config`: the CLI, `config
+    validate`, the flows' `profile`), not by every validation of the model: a fan-out child's
+    configuration is the parent's with `serve.port + its index` (and the parent's `workers`), and
+    must not be refused for the ports its parent already checked."""
     port, problems = cfg.serve.port, []
     for section in ("datagen", "dump"):
         workers = getattr(cfg, section).workers

@@ -9,7 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from drafter.config.base import ConfigError
-from drafter.config.lifecycle import LifecycleConfig
+from drafter.config.lifecycle import LifecycleConfig, port_problems
 
 
 def _problems(err: ValidationError) -> list[tuple[str, str]]:
@@ -28,10 +28,16 @@ def _problems(err: ValidationError) -> list[tuple[str, str]]:
 
 
 def parse_config(data: dict[str, Any], source: str | None = None) -> LifecycleConfig:
+    """A profile's data -> the validated configuration, with the checks of a whole profile
+    (`port_problems`) that a fan-out child's derived configuration is not put through again."""
     try:
-        return LifecycleConfig.model_validate(data)
+        cfg = LifecycleConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_problems(err), source) from None
+    problems = port_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> LifecycleConfig:

@@ -71,6 +71,18 @@ def test_fan_out_children_past_the_last_port_are_refused():
     parse_config(base(serve={"port": 65528}, datagen={"workers": 8}))  # the last one is 65535: fine
 
 
+def test_a_fan_out_childs_configuration_is_not_refused_for_its_parents_ports():
+    """A child's configuration is the parent's on serve.port + its index, with the parent's workers:
+    the flow parameter is validated as a model again, and must pass (the parent checked the ports)."""
+    from drafter.config import LifecycleConfig
+    from drafter.fanout import ShardRange, child_config
+
+    parent = parse_config(base(serve={"port": 65528}, datagen={"workers": 8}))
+    child = child_config(parent, ShardRange(7, 70, 80, "s70", "s79"))
+    assert child.serve.port == 65535
+    assert LifecycleConfig.model_validate(child.model_dump(mode="json")).serve.port == 65535
+
+
 def test_the_bench_servers_past_the_last_port_are_refused():
     """The concurrent interleave (the reference engine on CPU) serves every server at once on
     serve.port + its index: baseline + 2 settings + 2 settings x 2 curve points = 7 servers."""
