@@ -1,59 +1,96 @@
 #!/usr/bin/env bash
-# Our trainer against SpecForge 0.2.0's on the same data, on one GPU, one budget per call: the
-# target is built once (found again if already built), then two processes share the GPU:
-# SpecForge alone in one, our variants one after the other in the other, each judged by our judge
-# on the same held-out prompts; --merge pairs every variant of ours with SpecForge (paired 95% CI).
+# Our trainer against SpecForge 0.2.0's on the same data, on one GPU, at one or more data budgets.
+# The target is built once for every budget; then per budget two processes share the GPU, SpecForge
+# alone in one and our variants one after the other in the other, each judged by our judge on the
+# same held-out prompts; --merge pairs every variant of ours with SpecForge (paired 95% CI).
+#
+# The work runs DETACHED (its own session) in WORK, so it outlives one 10-minute device call: run
+# the same command again in the next call (back to back, while the machine is warm) and it waits for
+# the job already running instead of starting another. Each call waits at most WAIT seconds, copies
+# what exists so far to OUT, and prints `state: running` or `state: done` (merged results in OUT).
+#
 # Needs .whl/ (specforge-0.2.0 + pydantic wheels) and .bench-data/sharegpt.jsonl.gz
 # (`python3 benchmarks/bench_drafter_quality.py --write-corpus .bench-data/sharegpt.jsonl.gz`).
-# Usage (on the GPU host, in the repo root):
-#   OUT=/some/dir CONVERSATIONS=4000 STEPS=3 bash benchmarks/quality_vs_specforge.sh
-#   OUT=/some/dir CONVERSATIONS=800 STEPS=1,3 \
-#     VARIANTS='ours={} b1024={"tokens_per_micro_batch":1024} ours_2ep={"epochs":2}' bash benchmarks/quality_vs_specforge.sh
-# Environment: CONVERSATIONS (budget, default 800), STEPS (draft steps judged, topk 1, default 1,3),
-# VARIANTS (space-separated NAME=JSON train overrides, JSON without spaces; default
-# 'ours={} b1024={"tokens_per_micro_batch":1024}'), PROMPTS (held-out prompts judged, default 32),
-# MAX_NEW_TOKENS (default 96), EPOCHS (default 1), DEADLINE (seconds after this script starts at
-# which both trainer processes are stopped, default 578, so the whole call ends inside 10 minutes),
-# SF_ATTENTION (SpecForge's attention backend: flex_attention, its default, or sdpa, the same step
-# computed faster at batch 1; benchmarks/specforge_backends.py checks both agree; default flex_attention),
-# CHECK_BACKENDS=1 (also run that check, in the background from the start, into OUT/specforge-backends.json).
-# Writes into OUT: target.log, specforge.log, ours.log (as they run), specforge/quality.json,
-# ours/quality.json, merged/quality-merged.json, times.txt.
+# Usage (on the GPU host, in the repo root; repeat the same line until it says `state: done`):
+#   OUT=/some/dir CONVERSATIONS="800 4000" STEPS=3 SF_ATTENTION=sdpa bash benchmarks/quality_vs_specforge.sh
+# Environment: CONVERSATIONS (budgets, space-separated, default 800), STEPS (draft steps judged, topk 1,
+# default 1,3), VARIANTS (space-separated NAME=JSON train overrides, JSON without spaces; default
+# 'ours={}': the project's defaults), PROMPTS (held-out prompts judged, default 32), MAX_NEW_TOKENS
+# (default 96), EPOCHS (default 1), WAIT (seconds this call waits, default 560), WORK (default
+# /tmp/quality-vs-specforge), SF_ATTENTION (flex_attention, SpecForge's default, or sdpa: the same
+# step computed faster at batch 1, benchmarks/specforge_backends.py checks both agree).
+# Writes into OUT: times.txt, target.log, and per budget N: N-merged.json (the pairing) and N.tgz
+# (N-specforge.log, N-ours.log, N-merge.log and both quality.json).
 set -u
 OUT="${OUT:?set OUT}"
 CONVERSATIONS="${CONVERSATIONS:-800}"; STEPS="${STEPS:-1,3}"; PROMPTS="${PROMPTS:-32}"
-MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-96}"; EPOCHS="${EPOCHS:-1}"; DEADLINE="${DEADLINE:-578}"
-SF_ATTENTION="${SF_ATTENTION:-flex_attention}"; CHECK_BACKENDS="${CHECK_BACKENDS:-0}"
-VARIANTS="${VARIANTS:-ours={\} b1024={\"tokens_per_micro_batch\":1024\}}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1
-B="python3 benchmarks/bench_drafter_quality.py --corpus .bench-data/sharegpt.jsonl.gz --target-dir /tmp/target
+MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-96}"; EPOCHS="${EPOCHS:-1}"; WAIT="${WAIT:-560}"
+SF_ATTENTION="${SF_ATTENTION:-flex_attention}"; VARIANTS="${VARIANTS:-ours={\}}"
+WORK="${WORK:-/tmp/quality-vs-specforge}"
+mkdir -p "$OUT" "$WORK" || exit 1
+
+if [ ! -f "$WORK/job.pid" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
+    || { echo "installing .whl/ failed"; exit 1; }
+  mkdir -p "$WORK/repo" && cp -r drafter benchmarks profiles .bench-data "$WORK/repo"/ || exit 1  # its own copy: a later call may differ
+  printf '%s\n' $VARIANTS > "$WORK/variants"  # one NAME=JSON per line, quotes kept
+  cat > "$WORK/job.sh" <<EOF
+#!/usr/bin/env bash
+set -u
+cd "$WORK/repo"
+export PYTHONPATH="$WORK/site:$WORK/repo" PYTHONUNBUFFERED=1
+B="python3 benchmarks/bench_drafter_quality.py --corpus .bench-data/sharegpt.jsonl.gz --target-dir $WORK/target
    --epochs $EPOCHS --prompts $PROMPTS --max-new-tokens $MAX_NEW_TOKENS --plain-train"
 VARGS=()
-for v in $VARIANTS; do VARGS+=(--variant "$v"); done
-W=/tmp/quality-$CONVERSATIONS
-mkdir -p "$OUT"/specforge "$OUT"/ours "$OUT"/merged
-echo "start $(date -u +%T) conversations=$CONVERSATIONS steps=$STEPS prompts=$PROMPTS variants=$VARIANTS specforge_attention=$SF_ATTENTION" > "$OUT"/times.txt
-if [ "$CHECK_BACKENDS" = 1 ]; then
-  python3 benchmarks/specforge_backends.py --steps 60 --out "$OUT"/specforge-backends.json > "$OUT"/specforge-backends.log 2>&1 &
-  CHECK=$!
+while read -r v; do VARGS+=(--variant "\$v"); done < "$WORK/variants"
+say() { echo "\$1 \$(date -u +%T) after \${SECONDS}s" >> "$WORK/times.txt"; }
+say "start conversations=[$CONVERSATIONS] steps=$STEPS prompts=$PROMPTS variants=[\$(tr '\\n' ' ' < $WORK/variants)] specforge_attention=$SF_ATTENTION"
+\$B --target-only > "$WORK/target.log" 2>&1 || { say "target build failed"; echo failed > "$WORK/state"; exit 1; }
+say "target built"
+PIDS=()
+for n in $CONVERSATIONS; do
+  \$B --work $WORK/w\$n-sf --out $WORK/\$n-specforge --conversations \$n --steps $STEPS --only-specforge \
+    --specforge-attention $SF_ATTENTION > "$WORK/\$n-specforge.log" 2>&1 &
+  PIDS+=("\$n:specforge:\$!")
+  \$B --work $WORK/w\$n-ours --out $WORK/\$n-ours --conversations \$n --steps $STEPS "\${VARGS[@]}" \
+    > "$WORK/\$n-ours.log" 2>&1 &
+  PIDS+=("\$n:ours:\$!")
+done
+for p in "\${PIDS[@]}"; do wait "\${p##*:}"; say "\${p%:*} rc=\$?"; done
+for n in $CONVERSATIONS; do
+  # its own log: a failed merge says why
+  if \$B --merge $WORK/\$n-specforge/quality.json $WORK/\$n-ours/quality.json --out $WORK/\$n-merged \
+      > "$WORK/\$n-merge.log" 2>&1; then say "\$n merged"; else say "\$n merge failed (see \$n-merge.log)"; fi
+done
+say "end"
+echo done > "$WORK/state"
+EOF
+  echo running > "$WORK/state"
+  setsid nohup bash "$WORK/job.sh" > "$WORK/job.log" 2>&1 < /dev/null &
+  echo $! > "$WORK/job.pid"
+  echo "started the job (pid $(cat "$WORK/job.pid")) in $WORK"
+else
+  echo "the job started earlier (pid $(cat "$WORK/job.pid")) is still this run's: waiting for it"
 fi
-$B --target-only > "$OUT"/target.log 2>&1 || { echo "target build failed"; tail -n 40 "$OUT"/target.log; exit 1; }
-LIMIT=$(( DEADLINE - SECONDS ))
-echo "target done $(date -u +%T) after ${SECONDS}s; trainer processes get ${LIMIT}s" >> "$OUT"/times.txt
-timeout -k 5 "$LIMIT" $B --work $W-sf --out "$OUT"/specforge --conversations "$CONVERSATIONS" --steps "$STEPS" \
-  --only-specforge --specforge-attention "$SF_ATTENTION" > "$OUT"/specforge.log 2>&1 &
-SF=$!
-timeout -k 5 "$LIMIT" $B --work $W-ours --out "$OUT"/ours --conversations "$CONVERSATIONS" --steps "$STEPS" \
-  "${VARGS[@]}" > "$OUT"/ours.log 2>&1 &
-OURS=$!
-wait $OURS; echo "ours rc=$? at ${SECONDS}s" >> "$OUT"/times.txt
-wait $SF; echo "specforge rc=$? at ${SECONDS}s" >> "$OUT"/times.txt
-[ "$CHECK_BACKENDS" = 1 ] && { wait $CHECK; echo "backend check rc=$? at ${SECONDS}s" >> "$OUT"/times.txt; }
-$B --merge "$OUT"/specforge/quality.json "$OUT"/ours/quality.json --out "$OUT"/merged > /dev/null 2>&1 \
-  || echo "merge failed (a process did not finish?)" >> "$OUT"/times.txt
-echo "end $(date -u +%T) after ${SECONDS}s" >> "$OUT"/times.txt
-cat "$OUT"/times.txt
-NAMES=$(for v in $VARIANTS; do printf '\\|^%s ' "${v%%=*}"; done)
-grep -h "^target\|^dump\|^specforge\|^vs specforge$NAMES" "$OUT"/specforge.log "$OUT"/ours.log | cut -c1-700
+
+collect() {  # a device call brings back at most 8 files: one archive per budget
+  cp "$WORK"/times.txt "$WORK"/target.log "$OUT"/ 2>/dev/null
+  for n in $CONVERSATIONS; do
+    cp "$WORK/$n-merged/quality-merged.json" "$OUT/$n-merged.json" 2>/dev/null
+    (cd "$WORK" && tar czf "$OUT/$n.tgz" --ignore-failed-read "$n"-*.log "$n"-specforge/quality.json \
+      "$n"-ours/quality.json 2>/dev/null)
+  done
+}
+deadline=$(( SECONDS + WAIT ))
+while [ "$(cat "$WORK/state")" = running ] && [ $SECONDS -lt $deadline ]; do
+  if ! kill -0 "$(cat "$WORK/job.pid")" 2>/dev/null; then echo failed > "$WORK/state"; break; fi
+  sleep 5
+done
+collect
+cat "$WORK/times.txt" 2>/dev/null
+echo "state: $(cat "$WORK/state")"
+for n in $CONVERSATIONS; do
+  grep -h "^target\|^dump\|^specforge\|^vs specforge" "$WORK/$n-specforge.log" "$WORK/$n-ours.log" 2>/dev/null | cut -c1-600
+  [ -f "$WORK/$n-merged/quality-merged.json" ] && head -c 1500 "$WORK/$n-merged/quality-merged.json"
+done
+[ "$(cat "$WORK/state")" != failed ]

@@ -60,6 +60,12 @@ class EmptyOutput(DrafterError):
     an error naming the reasons, unless the configuration allows an empty output."""
 
 
+class AlreadyCommitted(StoreError):
+    """A write or commit into an output that is committed and complete. In a stage run
+    (drafter.stages.base) this means another run of the same output committed it meanwhile: the
+    run reports the output as complete (skipped), never this error."""
+
+
 class ManifestError(StoreError):
     """A `_SUCCESS.json` exists but cannot be used (bad JSON, wrong schema, wrong stage)."""
 
@@ -305,14 +311,16 @@ class StageOutput:
         self.store.delete(self.key(name))
 
     def _uncommit_for_repair(self) -> None:
-        """Writing into a committed output: refuse if it is complete (that needs reset()); if the
+        """Writing into a committed output: refuse if it is complete (AlreadyCommitted: a complete
+        output is never changed; recomputing it means deleting it first, `reset()`); if the
         commit is broken (missing shard, bad manifest) remove the manifest first, so the output is
         visibly incomplete before any shard changes."""
         manifest_key = self.key(MANIFEST_NAME)
         if not self.store.exists(manifest_key):
             return
         if self.is_complete():
-            raise StoreError(f"{self.uri} is committed and complete; call reset() to re-run it")
+            raise AlreadyCommitted(f"{self.uri} is already committed and complete: nothing written (to recompute "
+                                   f"it, delete it first: `reset()`)")
         log.warning("removing the broken commit %s before repairing it", self.store.uri(manifest_key))
         self.store.delete(manifest_key)
         self._manifest = None
@@ -346,8 +354,8 @@ class StageOutput:
             if same:
                 return existing
             if self.is_complete():
-                raise StoreError(f"{self.uri} is already committed with different shards or meta; "
-                                 f"call reset() to re-run it")
+                raise AlreadyCommitted(f"{self.uri} is already committed (with other shards or meta): not "
+                                       f"committed again (to recompute it, delete it first: `reset()`)")
         self.store.put_bytes(self.key(MANIFEST_NAME), manifest.model_dump_json(indent=2).encode())
         self._manifest = manifest
         return manifest

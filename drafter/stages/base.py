@@ -17,10 +17,17 @@ runs of contiguous ranges (drafter.fanout); a child runs `run_range`, which comp
 never commits.
 
 and optionally `exclusive(inputs, out)` (a context manager held from the second completeness check
-to the commit: train's one-run-per-output lock) and `verdict(result, error)` (a gate's verdict as
-markdown, drafter.outputs). `run_stage` does the rest once for all: skip a complete output,
-commit, summarise. A stage without stored output (fingerprint None: serve) returns its StageResult
-from `build(inputs, None)`.
+to the commit: train's one-run-per-output lock, which refuses a second run) and `verdict(result,
+error)` (a gate's verdict as markdown, drafter.outputs). `run_stage` does the rest once for all:
+skip a complete output, commit, summarise. A stage without stored output (fingerprint None: serve)
+returns its StageResult from `build(inputs, None)`.
+
+One run per output: a stage that plans shards (datagen, dump) and defines no `exclusive` holds the
+output's lock on this host (drafter.workdirs.output_lock) from before it plans to its commit; a
+second run of the same output waits for it, saying whose run it waits for, then finds the output
+committed and skips it (or resumes after the shards of a run that failed). A run that finds its
+output committed under it anyway (another host's run, sharing the store, committed first) reports
+it complete (skipped), never an error.
 """
 from __future__ import annotations
 
@@ -34,8 +41,9 @@ from typing import Any
 from drafter.config import LifecycleConfig
 from drafter.errors import DrafterError
 from drafter.fanout import FanOut, Lease, PlanChanged, RangeTask, lease_key, plan_digest, split_ranges
-from drafter.stage_output import Progress, StageOutput, StageResult
+from drafter.stage_output import AlreadyCommitted, Progress, StageOutput, StageResult
 from drafter.store import ObjectStore
+from drafter.workdirs import describe_holder, output_lock
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +64,15 @@ class StageContext:
     def say(self, line: str) -> None:
         if self.on_line is not None:
             self.on_line(line)
+
+    def tell(self, line: str) -> None:
+        """A line the person running the stage must see: through `on_line` when the caller gave one
+        (`drafter run`'s stderr, the Prefect run log), else as a warning of the skeleton's logger
+        (which Python prints on stderr when nothing configured logging: the named CLI commands)."""
+        if self.on_line is not None:
+            self.on_line(line)
+        else:
+            log.warning("%s", line)
 
 
 @dataclass(frozen=True)
@@ -121,14 +138,40 @@ def run_stage(name: str, code: ModuleType, ctx: StageContext) -> StageResult:
     out = StageOutput(ctx.store, name, fp)
     if out.is_complete():
         return _committed(code, inputs, out, skipped=True)
-    with getattr(code, "exclusive", _shared)(inputs, out):
-        if out.is_complete():  # committed by the run that held the stage before us
-            return _committed(code, inputs, out, skipped=True)
-        built = code.build(inputs, out) if not hasattr(code, "plan") else _build_planned(name, code, inputs, out, ctx)
-        out.commit(built.meta, expect=built.expect)
-        if built.after_commit is not None:
-            built.after_commit()
+    exclusive = getattr(code, "exclusive", None) or (_one_run_per_output(name, ctx) if hasattr(code, "plan")
+                                                     else _shared)
+    try:
+        with exclusive(inputs, out):
+            if out.is_complete():  # committed by the run that held the stage before us
+                return _committed(code, inputs, out, skipped=True)
+            built = code.build(inputs, out) if not hasattr(code, "plan") else _build_planned(name, code, inputs, out, ctx)
+            out.commit(built.meta, expect=built.expect)
+            if built.after_commit is not None:
+                built.after_commit()
+    except AlreadyCommitted:
+        if not out.is_complete():
+            raise
+        ctx.tell(f"{name}: {out.uri} was committed by another run of the same output while this one worked: "
+                 f"complete, nothing more to do")
+        return _committed(code, inputs, out, skipped=True)
     return _committed(code, inputs, out, skipped=False)
+
+
+def _one_run_per_output(name: str, ctx: StageContext):
+    """The skeleton's `exclusive` for a stage that plans shards: hold the output's lock on this
+    host, waiting (and saying so) while another run holds it."""
+
+    @contextlib.contextmanager
+    def hold(inputs, out: StageOutput):
+        def waiting(holder: dict, path, waited_s: float) -> None:
+            ctx.tell(f"{name}: output {out.fingerprint} is being computed by {describe_holder(holder)} (lock {path}); "
+                     f"waiting for that run to end" + (f" ({waited_s / 60:.0f} min so far)" if waited_s >= 60 else "")
+                     + ": then this run finds the output committed and skips it, or resumes after its shards")
+
+        with output_lock(name, out.fingerprint, wait=True, on_wait=waiting):
+            yield
+
+    return hold
 
 
 def _build_planned(name: str, code: ModuleType, inputs, out: StageOutput, ctx: StageContext) -> Built:
@@ -147,8 +190,8 @@ def _build_planned(name: str, code: ModuleType, inputs, out: StageOutput, ctx: S
         built = work.finish({})  # this run computed nothing itself
         return replace(built, meta=_with_fan_out(built.meta, fanned))
     if work.pending and workers > 1:
-        log.info("%s: %s.workers = %d fans out only in the Prefect flow; computing all %d pending shards here",
-                 name, name, workers, len(work.pending))
+        ctx.tell(f"{name}: {name}.workers = {workers} fans out only in the Prefect flow; computing all "
+                 f"{len(work.pending)} pending shards here")
     return work.finish(work.compute(work.pending) if work.pending else {})
 
 
@@ -169,16 +212,22 @@ def run_range(name: str, code: ModuleType, ctx: StageContext, task: RangeTask) -
             raise PlanChanged(f"{name}: this child's output is {fp}, its parent's {task.fingerprint}: the "
                               f"configuration or an upstream output differs between them")
         out = StageOutput(ctx.store, name, fp)
+        committed = StageResult(stage=name, status="skipped", uri=out.uri, fingerprint=fp,
+                                summary=(f"{task.part.label}: output already committed",))
         if out.is_complete():
-            return StageResult(stage=name, status="skipped", uri=out.uri, fingerprint=fp,
-                               summary=(f"{task.part.label}: output already committed",))
+            return committed
         work = code.plan(inputs, out, owner=False)
         if work.digest != task.plan:
             raise PlanChanged(f"{name}: {task.part.label}: the plan changed since the parent made it "
                               f"({work.digest} != {task.plan}); the parent's next run plans again")
         mine = set(work.units[task.part.start:task.part.stop])
         names = [n for n in work.pending if n in mine]
-        figures = work.compute(names) if names else {}
+        try:
+            figures = work.compute(names) if names else {}
+        except AlreadyCommitted:
+            if not out.is_complete():
+                raise
+            return committed
     line = (f"{task.part.label} ({task.part.first}..{task.part.last}): computed {len(names)} of "
             f"{len(mine)} shards" + (", the others were already done" if len(names) < len(mine) else ""))
     return StageResult(stage=name, status="range done", uri=out.uri, fingerprint=fp,

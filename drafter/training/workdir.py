@@ -1,12 +1,14 @@
 """One train run per output at a time on this host, and no temp dirs left by dead runs.
 
-A run of train output `<fp>` holds an flock on `<tmp>/drafter-train-<fp>.lock` while it trains
-and commits; its local work dir is `<tmp>/drafter-train-<fp>-*`. A second run of the same output
-is refused by name (pid, host, since when, what to do) instead of training it all again. The
-kernel releases an flock when every holder is gone, even by kill -9, so a dead run never blocks:
-the next run takes the lock, and since it holds it, every other work dir of `<fp>` belongs to a
-dead run and is removed. torchrun inherits the lock (drafter.stages.train), so it stays held until
-the ranks of a killed launcher are gone too.
+A run of train output `<fp>` holds the output lock (drafter.workdirs: an flock on
+`<tmp>/drafter-train-<fp>.lock`, the same rule and the same safe lock file as every stage that
+locks its output) while it trains and commits; its local work dir is `<tmp>/drafter-train-<fp>-*`.
+A second run of the same output is refused by name (pid, host, since when, what to do) instead of
+training it all again (train does not wait: a training run takes hours, and stopping it with
+SIGTERM writes a checkpoint the next run resumes from). The kernel releases an flock when every
+holder is gone, even by kill -9, so a dead run never blocks: the next run takes the lock, and since
+it holds it, every other work dir of `<fp>` belongs to a dead run and is removed. torchrun inherits
+the lock (drafter.stages.train), so it stays held until the ranks of a killed launcher are gone too.
 
 Limits: the lock is per host and per temp directory (TMPDIR): runs on two machines sharing a store
 are not serialised. The lock file itself stays (a few bytes): removing it could let two runs lock
@@ -14,18 +16,14 @@ two different files of the same name.
 """
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
-import os
 import shutil
-import socket
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from drafter import workdirs
 from drafter.serving import procs
 from drafter.training.errors import TrainingError
 
@@ -43,38 +41,26 @@ def work_prefix(fp: str) -> str:
 
 
 def lock_path(fp: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"drafter-train-{fp}.lock"
+    return workdirs.lock_path("train", fp)
 
 
 @contextmanager
 def train_lock(fp: str) -> Iterator[int]:
     """Hold the lock of output `fp` (yields its fd, to hand to child processes) or refuse."""
-    path = lock_path(fp)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    lock = workdirs.OutputLock("train", fp)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise TrainInProgress(_refusal(fp, path, _holder(fd))) from None
-        me = {"pid": os.getpid(), "start_ticks": procs.start_ticks(os.getpid()), "host": socket.gethostname(),
-              "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
+        fd = lock.acquire(wait=False)
+    except workdirs.OutputBusy as busy:
+        raise TrainInProgress(_refusal(fp, busy.path, busy.holder)) from None
+    try:
         yield fd
     finally:
-        os.close(fd)  # releases the lock (unless a child still holds it)
-
-
-def _holder(fd: int) -> dict:
-    try:
-        return json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except ValueError:  # the holder has not written itself yet
-        return {}
+        lock.release()  # releases the lock (unless a child still holds it)
 
 
 def _refusal(fp: str, path: Path, holder: dict) -> str:
     pid = holder.get("pid")
-    who = f"pid {pid} on {holder.get('host')} since {holder.get('since')}" if pid else "another process"
+    who = workdirs.describe_holder(holder)
     if pid and not procs.alive(pid, holder.get("start_ticks")):
         return (f"train output {fp} is locked by {path}: its run ({who}) is gone and its trainer processes "
                 "are still being stopped by its watchdog; re-run in a minute (it resumes from the checkpoints)")
