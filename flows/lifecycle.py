@@ -11,27 +11,49 @@ message, which `prefect deployment run --watch` and `make demo` print.
 """
 # No `from __future__ import annotations`: the flow's parameter types are built from the table at
 # import time, and Prefect reads them from the signature to render the UI's form and multi-select.
+import logging
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 from prefect import Flow, flow
+from prefect.exceptions import FailedRun
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 from prefect.states import Completed, Failed, State
 from prefect.utilities.urls import url_for
 
-from drafter.config import LifecycleConfig, load_config
+from drafter.config import LifecycleConfig
 from drafter.errors import describe
 from drafter.stages import TABLE, Stage, StageTable
+from flows.parameters import Refused, resolve
 from tasks.common import failure_of, reap_left_servers
 from tasks.fanout import cancel_fanned_out_children
+from tasks.orphans import crash_orphaned_subflows
 from tasks.stage import stage_task
 from tasks.target import ensure_target_task
 
 # A cancelled or crashed run: its servers reaped, its fanned-out children cancelled, all at once.
+# A crashed one (its process killed: the worker reports it and runs these hooks in another process)
+# also ends the subflows and task runs its process left Running (`crash_orphaned_subflows`).
 REAP = dict(on_cancellation=[reap_left_servers, cancel_fanned_out_children],
-            on_crashed=[reap_left_servers, cancel_fanned_out_children])
+            on_crashed=[crash_orphaned_subflows, reap_left_servers, cancel_fanned_out_children])
 NOT_RUN = "not run (an earlier stage failed)"
+
+
+class _RefusalIsNotABug(logging.Filter):
+    """A run that ends Failed with its one-line reason (a stage failed or a gate refused, a parameter
+    the run cannot use) says so in its own error line and final state. Prefect's engine then asks the
+    finished run for its result, which raises `FailedRun` (the wrapper of a Failed state the flow
+    returned, never of an exception the flow raised), and logs it as "Engine execution exited with
+    unexpected exception" with a traceback (prefect.flow_engine.run_flow, Prefect 3.9). That record
+    is dropped: no traceback for a failure that is not a bug. Any other record is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, FailedRun) and str(record.msg).startswith("Engine execution exited"))
+
+
+logging.getLogger("prefect.flow_runs").addFilter(_RefusalIsNotABug())
 
 
 def stage_flow(stage: Stage, table: StageTable) -> Flow:
@@ -81,6 +103,13 @@ def graph_edge(subflow_state: State) -> State:
     return subflow_state.model_copy(update={"state_details": waits_on})
 
 
+def refuse(refused: Refused) -> State:
+    """A parameter the run cannot use (flows/parameters.py): the run ends Failed with its one line,
+    logged as the run's error, no traceback."""
+    get_run_logger().error(str(refused))
+    return Failed(message=str(refused))
+
+
 def run_stages(table: StageTable, subflows: dict[str, Flow], cfg: LifecycleConfig,
                stages) -> Union[dict[str, dict], State]:
     """The target, then the selected stages in lifecycle order, each as its subflow; one summary.
@@ -125,7 +154,10 @@ def lifecycle_flow(table: StageTable) -> Flow:
     def drafter_lifecycle(profile: str = "profiles/demo.yaml", config: Optional[LifecycleConfig] = None,
                           stages: list[StageName] = list(table.names)) -> dict:
         """Run the selected stages in lifecycle order. `config` wins over `profile` when given."""
-        cfg = config if config is not None else load_config(profile)
+        resolved = resolve(profile, config, stages, table.names)
+        if isinstance(resolved, Refused):  # a bad profile, no stage selected: one line, no traceback
+            return refuse(resolved)
+        cfg, stages = resolved
         return run_stages(table, subflows, cfg, stages)
 
     return flow(drafter_lifecycle, name="drafter-lifecycle", log_prints=True, **REAP)

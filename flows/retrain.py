@@ -14,9 +14,10 @@ from typing import Literal, Optional
 from prefect import Flow, flow
 from prefect.states import State
 
-from drafter.config import LifecycleConfig, load_config
+from drafter.config import LifecycleConfig
 from drafter.stages import TABLE, StageTable
-from flows.lifecycle import REAP, run_stages, stage_flow
+from flows.lifecycle import REAP, refuse, run_stages, stage_flow
+from flows.parameters import Refused, resolve
 from tasks.retrain import publish_verdict
 
 
@@ -27,7 +28,10 @@ def retrain_flow(table: StageTable) -> Flow:
     def drafter_retrain(profile: str = "profiles/retrain-demo.yaml", config: Optional[LifecycleConfig] = None,
                         stages: list[StageName] = list(table.names)) -> dict:
         """Retrain on the source's current files; promote the challenger only when it is better."""
-        cfg = config if config is not None else load_config(profile)
+        resolved = resolve(profile, config, stages, table.names)
+        if isinstance(resolved, Refused):  # a bad profile, no stage selected: one line, no traceback
+            return refuse(resolved)
+        cfg, stages = resolved
         results = run_stages(table, subflows, cfg, stages)
         if isinstance(results, State):  # a stage failed: the run ends with its reason
             return results

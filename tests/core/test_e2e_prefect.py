@@ -5,14 +5,19 @@ deployments/prefect.yaml, and `prefect deployment run drafter-lifecycle/full --w
 A second run must find every stage complete and skip its work.
 """
 import json
+import os
 import re
+import signal
+import stat
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.fixtures.local_prefect import local_prefect
+from tests.fixtures.local_prefect import down, local_prefect, stored_workers
 from tests.fixtures.net import free_port
 from drafter.stages import TABLE
 
@@ -24,8 +29,27 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def prefect_env(tmp_path_factory):
-    with local_prefect(tmp_path_factory.mktemp("prefect-home"), DRAFTER_E2E_SECRET=PLANTED) as env:
+    # a home that does not exist yet: infra/prefect-up.sh creates it, as on a fresh clone
+    with local_prefect(tmp_path_factory.mktemp("prefect-e2e") / "home", DRAFTER_E2E_SECRET=PLANTED) as env:
         yield env
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_the_prefect_home_the_scripts_create_is_private(prefect_env):
+    """The database holds every run's parameters, states and logs; the run dir the server's and
+    workers' logs; the workers' TMPDIR what Prefect's process worker writes there (below)."""
+    home = Path(prefect_env["PREFECT_HOME"])
+    assert mode(home) == 0o700 and mode(home / "run") == 0o700 and mode(home / "run" / "tmp") == 0o700
+    assert mode(home / "prefect.db") == 0o600
+    for log in ("server.log", "worker.log", "deploy.log"):
+        assert mode(home / "run" / log) == 0o600, log
+    # the worker's TMPDIR is that private folder, which infra/prefect-down.sh removes
+    worker = int((home / "run" / "worker.pid").read_text())
+    environ = dict(item.split(b"=", 1) for item in Path(f"/proc/{worker}/environ").read_bytes().split(b"\0") if b"=" in item)
+    assert environ[b"TMPDIR"].decode() == str(home / "run" / "tmp")
 
 
 def run_deployment(env, profile: Path) -> str:
@@ -191,6 +215,25 @@ def test_full_deployment_runs_and_second_run_skips(prefect_env, tiny_target, tmp
 # ---- the retrain loop: two nightly retrains on a growing source, a planted worse challenger, rollback
 
 
+def api(env, method: str, path: str, body: dict | None = None):
+    """One API call; retried, as Prefect's own client does, while the server says it is busy (a 503
+    when SQLite is locked under load)."""
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    for attempt in range(8):
+        req = urllib.request.Request(env["PREFECT_API_URL"] + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as err:
+            if err.code not in (429, 502, 503) or attempt == 7:
+                raise
+        time.sleep(2 ** min(attempt, 4))
+
+
 def prefect_cli(env, *args, timeout=300) -> str:
     prefect = str(ROOT / ".venv" / "bin" / "prefect") if (ROOT / ".venv").exists() else "prefect"
     proc = subprocess.run([prefect, *args], env=env, capture_output=True, text=True, timeout=timeout)
@@ -207,23 +250,12 @@ def drafter_cli(*args) -> str:
 
 def drafter_events(env) -> list[dict]:
     """The drafter.* events the Prefect server stored (it persists them asynchronously)."""
-    import urllib.request
-
-    body = json.dumps({"filter": {"event": {"prefix": ["drafter."]}}, "limit": 50}).encode()
-    req = urllib.request.Request(env["PREFECT_API_URL"] + "/events/filter", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.loads(resp.read())["events"]
+    return api(env, "POST", "/events/filter", {"filter": {"event": {"prefix": ["drafter."]}}, "limit": 50})["events"]
 
 
 def artifacts(env, key: str) -> list[dict]:
-    import urllib.request
-
-    req = urllib.request.Request(env["PREFECT_API_URL"] + "/artifacts/filter",
-                                 data=json.dumps({"artifacts": {"key": {"any_": [key]}}}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        found = sorted(json.loads(resp.read()), key=lambda a: a["created"])  # oldest first
+    found = sorted(api(env, "POST", "/artifacts/filter", {"artifacts": {"key": {"any_": [key]}}}),
+                   key=lambda a: a["created"])  # oldest first
     for art in found:  # a table artifact's data is its JSON text
         if isinstance(art["data"], str) and art["type"] == "table":
             art["data"] = json.loads(art["data"])
@@ -231,28 +263,17 @@ def artifacts(env, key: str) -> list[dict]:
 
 
 def flow_runs(env, flow_runs_filter: dict) -> list[dict]:
-    import urllib.request
-
-    req = urllib.request.Request(env["PREFECT_API_URL"] + "/flow_runs/filter",
-                                 data=json.dumps({"flow_runs": flow_runs_filter, "limit": 200}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.loads(resp.read())
+    return api(env, "POST", "/flow_runs/filter", {"flow_runs": flow_runs_filter, "limit": 200})
 
 
 def task_runs(env) -> list[dict]:
-    import urllib.request
-
-    req = urllib.request.Request(env["PREFECT_API_URL"] + "/task_runs/filter", data=json.dumps({"limit": 200}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.loads(resp.read())
+    return api(env, "POST", "/task_runs/filter", {"limit": 200})
 
 
 def wait_for_events(env, count: int) -> list[dict]:
-    import time
-
-    for _ in range(60):
+    """The server persists events asynchronously: seconds idle, longer under load (a generous budget)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
         events = drafter_events(env)
         if len(events) >= count:
             return sorted(events, key=lambda e: e["occurred"])
@@ -410,3 +431,170 @@ def test_retrain_nightly_promotes_reuses_rejects_and_rolls_back(prefect_env, tin
     newest = max(logs.glob("reference-*.launch.json"), key=lambda p: p.stat().st_mtime_ns)
     argv = json.loads(newest.read_text())["argv"]
     assert argv[argv.index("--speculative-draft-model-path") + 1].endswith(f"export-{champion_2}")
+
+
+# ---- runs the flow refuses: a profile it cannot use, no stage selected ------------------------
+
+
+def start_run(env, deployment: str, parameters: dict) -> str:
+    """A flow run of `deployment` as `prefect deployment run` creates one (no watch); its id."""
+    dep = api(env, "GET", f"/deployments/name/{deployment}")
+    return api(env, "POST", f"/deployments/{dep['id']}/create_flow_run", {"parameters": parameters})["id"]
+
+
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def wait_until(what: str, predicate, timeout: float = 600.0, poll: float = 1.0):
+    """Poll `predicate` until it returns something; a generous budget (minutes on a loaded 2-core
+    machine), never a short fixed deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(poll)
+
+
+def run_log(env, run_id: str) -> list[str]:
+    logs = api(env, "POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200})
+    return [entry["message"] for entry in logs]
+
+
+SECRETISH = "hf_E2eSeCrEt_planted_in_a_profile"
+
+
+def test_a_profile_the_run_cannot_use_or_no_stage_fails_the_run_in_one_line(prefect_env, tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(f"name: broken\nserve:\n  env:\n    HF_TOKEN: {SECRETISH}: typo\n")
+    fields = tmp_path / "fields.yaml"
+    fields.write_text(f"name: fields\ntarget: {{path: {tmp_path}}}\nserve:\n  port: not-a-port\n")
+    cases = {
+        # the `stage` deployment with nothing selected: refused, never Completed
+        "stages=[]": (start_run(prefect_env, "drafter-lifecycle/stage", {"stages": []}),
+                      "no stages selected: parameter stages is empty; choose one or more of "
+                      + ", ".join(TABLE.names)),
+        "missing": (start_run(prefect_env, "drafter-lifecycle/full", {"profile": str(tmp_path / "nope.yaml")}),
+                    f"bad profile {tmp_path / 'nope.yaml'}: no such file: {tmp_path / 'nope.yaml'}"),
+        # `full` runs one at a time (a second is cancelled): the others go to `stage` and the retrain
+        "yaml": (start_run(prefect_env, "drafter-lifecycle/stage", {"profile": str(broken)}),
+                 f"bad profile {broken}: line 4, column {15 + len(SECRETISH)}: not valid YAML: mapping values are "
+                 "not allowed here (the file's content is not shown)"),
+        "field": (start_run(prefect_env, "drafter-retrain/retrain-nightly", {"profile": str(fields)}),
+                  f"bad profile {fields}: line 4: serve.port: Input should be a valid integer, unable to parse "
+                  "string as an integer"),
+    }
+    runs = {name: wait_until(f"run {name} to end", lambda run_id=run_id: (
+        lambda r: r if r["state_type"] in FINAL else None)(api(prefect_env, "GET", f"/flow_runs/{run_id}")))
+        for name, (run_id, _) in cases.items()}
+    for name, (run_id, line) in cases.items():
+        run = runs[name]
+        assert (run["state_type"], run["state"]["message"]) == ("FAILED", line), name
+        # the run log's error is the same one line (logs reach the server shortly after the state)
+        logged = wait_until(f"the run log of {name}", lambda run_id=run_id, line=line: (
+            lambda messages: messages if line in messages else None)(run_log(prefect_env, run_id)), timeout=120)
+        assert not [m for m in logged if "Traceback" in m or "Encountered exception" in m], name
+    # nothing of the broken file reached the run logs, the worker's log or Prefect's database
+    home = Path(prefect_env["PREFECT_HOME"])
+    for path in [home / "run" / "worker.log", *home.glob("prefect.db*")]:
+        assert SECRETISH.encode() not in path.read_bytes(), path
+
+
+# ---- kill -9 of a lifecycle run's process: its running subflow does not stay Running ----------
+
+
+def flow_run_process(run_id: str) -> int | None:
+    """The flow run's own process: the oldest one whose environment names the run (the servers it
+    starts inherit the variable too)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"PREFECT__FLOW_RUN_ID={run_id}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return min(found) if found else None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(1200)  # a run's start, the kill, the worker's hooks: each bounded below, minutes under load
+def test_kill_9_of_a_lifecycle_run_crashes_the_subflow_it_was_running(prefect_env, tiny_target, tmp_path):
+    corpus = tmp_path / "prompts.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"k{i}", "messages": [{"role": "user", "content": f"Item {i}?"}]})
+                              + "\n" for i in range(12)))
+    logs = tmp_path / "logs"
+    profile = tmp_path / "killed.yaml"
+    profile.write_text(yaml.safe_dump({
+        "name": "killed",
+        "target": {"path": str(tiny_target), "name": "tiny"},
+        "data": {"sources": [{"kind": "jsonl", "path": str(corpus)}], "eval_fraction": 0.0},
+        # 12 requests of 5 s, one at a time: datagen is still running when its run is killed
+        "datagen": {"max_tokens": 8, "shard_size": 2, "concurrency_per_server": 1},
+        "serve": {"engine": "command", "port": free_port(), "log_dir": str(logs),
+                  "command": [sys.executable, str(ROOT / "tests" / "fixtures" / "chat_server.py"), "--port", "{port}",
+                              "--served-model-name", "{served_model_name}", "--delay-s", "5"],
+                  "startup_timeout_s": 300, "stall_timeout_s": 300},
+        "storage": {"root": f"file://{tmp_path / 'store'}"},
+    }))
+    parent = start_run(prefect_env, "drafter-lifecycle/stage", {"profile": str(profile),
+                                                                "stages": ["prepare", "datagen"]})
+    datagen_runs = lambda: api(prefect_env, "POST", "/flow_runs/filter", {
+        "flow_runs": {"parent_flow_run_id": {"any_": [parent]}}, "flows": {"name": {"any_": ["datagen"]}}})
+
+    def datagen_serving():
+        state = api(prefect_env, "GET", f"/flow_runs/{parent}")["state"]
+        assert state["type"] not in FINAL, f"the run ended before it could be killed: {state}"
+        running = [r for r in datagen_runs() if r["state_type"] == "RUNNING"]
+        pids = [json.loads(p.read_text())["pid"] for p in logs.glob("*.pid.json")] if logs.exists() else []
+        return (running[0], pids[0]) if running and pids and pid_alive(pids[0]) else None
+
+    datagen, server = wait_until("the datagen subflow running, its server up", datagen_serving, timeout=480)
+    # What Prefect's process worker writes meanwhile: the run's whole environment, the worker's
+    # secret included, in its TMPDIR (the private run/tmp of infra/prefect-up.sh; README: Secrets)
+    tmp = Path(prefect_env["PREFECT_HOME"]) / "run" / "tmp"
+    (workspace,) = [w for w in tmp.glob("prefect-workspace-attempt-*/workspace.json")
+                    if parent.encode() in w.read_bytes()]
+    assert PLANTED.encode() in workspace.read_bytes() and mode(workspace) == 0o600
+
+    process = flow_run_process(parent)
+    assert process is not None
+    os.kill(process, signal.SIGKILL)
+    # the worker sees its process exit and sets the run Crashed (Prefect's part) ...
+    crashed = wait_until("the killed run Crashed", timeout=240, predicate=lambda: (lambda r: r if r["state_type"] in FINAL else None)(
+        api(prefect_env, "GET", f"/flow_runs/{parent}")))
+    assert crashed["state_type"] == "CRASHED", crashed["state"]
+    # ... and its on_crashed hook ends the subflow and the task runs its process left Running
+    ended = wait_until("the datagen subflow ended", lambda: (lambda r: r if r["state_type"] in FINAL else None)(
+        api(prefect_env, "GET", f"/flow_runs/{datagen['id']}")), timeout=300)
+    assert ended["state_type"] == "CRASHED", ended["state"]
+    assert ended["state"]["message"].startswith(f"orphaned: the process of run {crashed['name']!r} ({parent}), "
+                                                f"which ran this, crashed: "), ended["state"]
+    tasks_of_run = api(prefect_env, "POST", "/task_runs/filter",
+                    {"flow_runs": {"id": {"any_": [parent, datagen["id"]]}}, "limit": 50})
+    assert tasks_of_run and not [t["name"] for t in tasks_of_run if t["state_type"] not in FINAL], tasks_of_run
+    # the run's server went with it (its watchdog), and the worker removed the run's workspace
+    wait_until("the datagen server gone", lambda: not pid_alive(server), timeout=120)
+    wait_until("the run's workspace removed", lambda: not workspace.exists(), timeout=120)
+
+
+# ---- last: the stack stopped as `make demo` stops it ----------------------------------------
+
+
+def test_prefect_down_leaves_no_worker_online_and_removes_the_workers_tmpdir(prefect_env):
+    home = Path(prefect_env["PREFECT_HOME"])
+    stopped = down(home, prefect_env)  # checked: no pid file left, run/tmp removed
+    assert "removed worker(s) worker-" in stopped.stdout, stopped.stdout
+    # what a UI over this database shows later (`make demo-ui` runs none of the server's services,
+    # which would otherwise mark a silent worker offline): no worker Online, the pool not Ready
+    workers, pools = stored_workers(home)
+    assert "ONLINE" not in workers.values(), workers
+    assert pools["drafter-local"] == "NOT_READY", pools
+    assert mode(home) == 0o700 and mode(home / "prefect.db") == 0o600

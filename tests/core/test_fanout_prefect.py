@@ -298,7 +298,7 @@ def test_cancelling_the_parent_cancels_its_children_and_leaves_no_server(pool, t
         pids = [json.loads(p.read_text())["pid"] for p in (tmp_path / "cancelled-logs").glob("*.pid.json")]
         return pids if len(pids) == 3 and all(alive(pid) for pid in pids) else None
 
-    servers = wait_for("3 datagen servers up", servers_up, timeout=120)
+    servers = wait_for("3 datagen servers up", servers_up, timeout=300)
     t0 = time.monotonic()
     cancel = subprocess.run([PREFECT, "flow-run", "cancel", parent], env=pool, capture_output=True, text=True,
                             timeout=60)

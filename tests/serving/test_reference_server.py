@@ -18,7 +18,7 @@ from tests.fixtures.speculative import build_random_target, build_successor_draf
 from tests.fixtures.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT = 90.0
+START_TIMEOUT = 300.0  # a server start (torch, the model): generous, returned from at the ready line
 
 
 class ServerProcess:

@@ -21,7 +21,7 @@ def prefect_server(tmp_path_factory, monkeypatch_module):
     home = tmp_path_factory.mktemp("prefect")
     monkeypatch_module.setenv("PREFECT_HOME", str(home))
     monkeypatch_module.setenv("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(home / "results"))
-    with prefect_test_harness(server_startup_timeout=60):
+    with prefect_test_harness(server_startup_timeout=600):  # generous: returns once /health answers
         yield
 
 

@@ -30,7 +30,7 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] not in "ZX"
 
 
-def wait_healthy(url: str, timeout: float = 20.0) -> None:
+def wait_healthy(url: str, timeout: float = 120.0) -> None:  # generous: a loaded machine
     deadline = time.monotonic() + timeout
     while True:
         try:
