@@ -261,6 +261,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.store_dir:
+        Path(args.store_dir).mkdir(parents=True, exist_ok=True)  # a fresh machine has none
     conversations = load_conversations(args.conversations, args.samples)
     results = {"torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                "cpu_threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()},

@@ -152,6 +152,8 @@ def main() -> None:
     results = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                "args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
     emit = lambda: (args.out / "bench_reader.json").write_text(json.dumps(results, indent=2))
+    if args.store_dir:
+        Path(args.store_dir).mkdir(parents=True, exist_ok=True)  # a fresh machine has none
     moto = None
     try:
         for backend in args.backends:
