@@ -9,7 +9,8 @@
 - Masking is by allow-list: what we save or log of an environment shows the values of variables
   known to be harmless (NCCL_*, CUDA_*, ...), every other value is masked; credentials inside
   URLs and the values of secret-looking flags (`--api-key X`, `--token=X`) are masked too; the
-  values of resolved secrets are masked in every server log line we write or forward.
+  values of resolved secrets are masked by value wherever they stand, in every launch record, pid
+  file, server log line and message we write or forward (`redact_argv`, `redact_obj`, `Redactor`).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ _SAFE_NAMES = {"PATH", "HOME", "LANG", "TZ", "TERM", "USER", "HOSTNAME", "PWD", 
                "HF_HOME", "LD_LIBRARY_PATH", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
                "LOCAL_RANK", "NODE_RANK"}
 # ... unless the name itself says it holds a credential (VLLM_API_KEY, HF_HUB_TOKEN, ...).
-_SECRET_WORD = re.compile(r"KEY|TOKEN|SECRET|PASS|AUTH|CRED|COOKIE|SESSION|PRIVATE|SIGNATURE|PAT\b|_PAT_",
+# TOKEN but not TOKENIZER: TOKENIZERS_PARALLELISM is a tuning flag, not a credential.
+_SECRET_WORD = re.compile(r"KEY|TOKEN(?!IZER)|SECRET|PASS|AUTH|CRED|COOKIE|SESSION|PRIVATE|SIGNATURE|PAT\b|_PAT_",
                           re.IGNORECASE)
 # A flag is secret-looking when one of its words names a credential: `--api-key`, `--hf-token`,
 # `--ssl-keyfile-password`. Whole words only: `--speculative-num-draft-tokens` is a count and
@@ -59,11 +61,15 @@ class SecretError(DrafterError):
 
 
 def secret_looking_env(env: Mapping[str, str]) -> list[str]:
-    """Warnings for values typed into `serve.env` under names that say they hold a credential: that
-    section is configuration, stored wherever the configuration goes (Prefect's database, the UI)."""
-    return [f"serve.env.{name} looks like a secret: serve.env is configuration and is stored with the run "
+    """Warnings for values typed into `serve.env` that hold a credential, by name (`..._TOKEN`) or by
+    value (a URL carrying one: `postgres://u:PASSWORD@h/db`, `?token=...`): that section is
+    configuration, stored wherever the configuration goes (Prefect's database, the UI)."""
+    return [f"serve.env.{name} looks like a secret"
+            + ("" if _SECRET_WORD.search(name) else " (its value is a URL carrying credentials)")
+            + f": serve.env is configuration and is stored with the run "
             f"(Prefect parameters, the UI); reference it instead: serve.secrets: {{{name}: env:{name}}}"
-            for name in sorted(env) if _SECRET_WORD.search(name)]
+            for name, value in sorted(env.items())
+            if _SECRET_WORD.search(name) or mask_text(str(value)) != str(value)]
 
 
 def safe_name(name: str) -> bool:
@@ -115,6 +121,23 @@ def secret_values(env: Mapping[str, str], argv: Iterable[str] = ()) -> set[str]:
             flag, eq, value = real.partition("=")
             values.add(value if eq and _secret_flag(flag) else real)
     return {v for v in values if len(v) >= 6}  # short values ("1", "true") would mask everything
+
+
+def redact_argv(argv: Iterable[str], redact: Callable[[str], str]) -> list[str]:
+    """A command line as we save it: secret-looking flags' values masked (`mask_argv`) AND the known
+    secret values wherever they stand (`--extra-x S`, `--header=Authorization: Bearer S`)."""
+    return [redact(arg) for arg in mask_argv(argv)]
+
+
+def redact_obj(obj, redact: Callable[[str], str]):
+    """Every string inside `obj` (dicts, lists, tuples: a record about to be written) redacted."""
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, Mapping):
+        return {k: redact_obj(v, redact) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redact_obj(v, redact) for v in obj]
+    return obj
 
 
 class Redactor:

@@ -1,7 +1,6 @@
 """What every stage task shares: the one retry policy, progress artifacts, run logging."""
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -83,10 +82,8 @@ def reap_left_servers(flow, flow_run, state) -> None:
     (their pid files name it, `this_run_owns_its_servers`) still in the run's log directory, i.e.
     ones the run could not tear down. Another run's servers, and a foreground `drafter serve`
     sharing the directory, are left alone."""
-    from pathlib import Path
-
     from drafter.config import LifecycleConfig, load_config
-    from drafter.serving.ownership import owns, reap
+    from drafter.serving.ownership import owns, pid_files, reap
 
     params = flow_run.parameters or {}
     config = params.get("config") or params.get("cfg")
@@ -95,10 +92,9 @@ def reap_left_servers(flow, flow_run, state) -> None:
     else:
         cfg = load_config(params.get("profile", "profiles/demo.yaml"))
     run_id = str(flow_run.id)
-    for pid_path in sorted(Path(cfg.serve.log_dir).glob("*.pid.json")):
-        try:
-            owner = json.loads(pid_path.read_text()).get("owner")
-        except (OSError, ValueError):
-            continue
-        if owns(owner, run_id):
+    # Only this user's regular files (a link or another user's file in a shared log dir is
+    # skipped), and the owner is only a filter: reap signals nothing it has not verified in the
+    # kernel as this server's (drafter.serving.ownership.reap).
+    for pid_path, info in pid_files(cfg.serve.log_dir):
+        if owns(info.get("owner"), run_id):
             print(f"reaping {pid_path}: {reap(pid_path)}", flush=True)

@@ -37,6 +37,7 @@ from drafter.bench.measure import ClientApi, MeasurementError, Prompt, measure
 from drafter.bench.plan import FLUSH_CACHE, SGLANG_API, STREAMING, ServerPlan, SweepPlan, server_config
 from drafter.config import LifecycleConfig
 from drafter.errors import is_retryable
+from drafter.secrets import Redactor, redact_obj
 from drafter.serving.errors import ServerConfigError, ServerStartError
 from drafter.serving.host import port_free
 from drafter.serving.session import ServedServer, ServerSession
@@ -225,11 +226,15 @@ class Sweep:
         return self.cfg.serve.port
 
     def _record_failure(self, server: ServerPlan, kind: str, retryable: bool, message: str,
-                        detail: dict | None = None) -> None:
+                        detail: dict | None = None, redact: Callable[[str], str] | None = None) -> None:
         fix = FIXES.get(kind, FIXES["error"])
         earlier = self.earlier.pop(server.key, None)
+        # The record is committed to the shared store: the launch's secret values (and URL
+        # credentials) are masked wherever they stand in the message and its evidence.
+        redact = redact or Redactor()
+        message, detail = redact(message), redact_obj(detail or {}, redact)
         record = {"key": server.key, "config": server.label, "kind": kind, "retryable": retryable, "fix": fix,
-                  "message": message, "detail": detail or {}, "at": time.time(),
+                  "message": message, "detail": detail, "at": time.time(),
                   "attempts": earlier.get("attempts", 1) + 1 if earlier else 1}
         log.warning("bench: %s failed (%s): %s; %s", server.label, kind,
                     message.splitlines()[0] if message else "", fix)
@@ -252,7 +257,7 @@ class Sweep:
             detail = err.to_dict()
             detail["log_path"] = str(session.log_path)
             kind, retryable = start_failure(err, cfg.serve.host, cfg.serve.port)
-            self._record_failure(server, kind, retryable, err.message, detail)
+            self._record_failure(server, kind, retryable, err.message, detail, redact=session.redact)
             return None
         n = self.launch_counts.get(server.key, 0)
         self.launch_counts[server.key] = n + 1
@@ -290,7 +295,8 @@ class Sweep:
             dead = served.process is not None and served.process.poll() is not None
             self._record_failure(server, *measure_failure(err, dead), str(err),
                                  {"round": round_index, "batch_size": batch_size, "log_path": str(served.log_path),
-                                  "http_status": getattr(err, "status", None)})
+                                  "http_status": getattr(err, "status", None)},
+                                 redact=served.process.redact if served.process else None)
             return False
         if server.key in self.earlier:
             # measured where an earlier run failed: its record goes first (a kill in between

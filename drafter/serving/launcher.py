@@ -28,10 +28,10 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from drafter.config import LifecycleConfig
-from drafter.secrets import Redactor, mask_argv, mask_env, secret_values
+from drafter.secrets import Redactor, mask_env, redact_argv, redact_obj, secret_values
 from drafter.serving import procs
 from drafter.serving.engines import Engine, LaunchSpec
 from drafter.serving.errors import ServerConfigError, TeardownError
@@ -49,19 +49,23 @@ _MAX_LINE = 1 << 20
 
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write a file only its owner can read (launch details, pid files, server logs)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # an older file keeps its mode otherwise
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
+def ensure_log_dir(path: str | os.PathLike) -> Path:
+    """The log directory, created owner-only (0700) when missing. An existing one is used as it
+    is, a link to it included (`runs/logs` -> a bigger disk is the user's choice): safety in a
+    shared directory comes from how each file is created (`create_private`) and read
+    (`ownership.read_pid_file`), not from the directory."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return Path(path)
 
 
-def open_private(path: Path):
-    """Open a log file for appending, owner-only, line-buffered."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.fchmod(fd, 0o600)
-    return os.fdopen(fd, "a", encoding="utf-8", buffering=1)
+def create_private(path: Path) -> int:
+    """Create a NEW file only its owner can read (launch details, pid files, server logs) and
+    return its descriptor. O_EXCL|O_NOFOLLOW: a name that already exists (a file, or a link planted
+    in a shared log directory to make us overwrite and re-mode a file elsewhere) is an error, never
+    reused or followed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # exactly owner-only whatever the umask
+    return fd
 
 
 def launch_file(log_path: str | os.PathLike) -> Path:
@@ -155,7 +159,7 @@ def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_
 
     log_dir = Path(spec.log_dir or ".")
     try:
-        log_dir.mkdir(parents=True, exist_ok=True)
+        ensure_log_dir(log_dir)
         free_gb = shutil.disk_usage(log_dir).free / 2**30
         if free_gb < min_free_disk_gb:
             problems.append(f"only {free_gb:.2f} GB free in {log_dir} (need {min_free_disk_gb} GB for logs)")
@@ -192,15 +196,19 @@ def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_
 # The server process
 # --------------------------------------------------------------------------------------------
 
-def launch_record(spec: LaunchSpec, base_env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The launch as saved with the run: argv, env diff against our own environment, cwd."""
+def launch_record(spec: LaunchSpec, base_env: Mapping[str, str] | None = None,
+                  redact: Redactor | None = None) -> dict[str, Any]:
+    """The launch as saved with the run: argv, env diff against our own environment, cwd.
+    `redact`: the resolved secrets' values, masked wherever they stand (`--header=Bearer X`,
+    `--extra-x X`: the flag-name rule alone misses a secret after a harmless-looking flag)."""
     base = os.environ if base_env is None else base_env
+    redact = redact or Redactor()
     changed = {k: v for k, v in spec.env.items() if base.get(k) != v}
     removed = sorted(k for k in base if k not in spec.env)
     # Masked by allow-list (drafter.secrets): only harmless variables keep their values.
-    return {"engine": spec.engine, "argv": mask_argv(spec.argv), "cwd": spec.cwd,
-            "env": mask_env(changed), "env_removed": removed,
-            "env_from_config": mask_env(spec.env_overrides),
+    return {"engine": spec.engine, "argv": redact_argv(spec.argv, redact), "cwd": spec.cwd,
+            "env": redact_obj(mask_env(changed), redact), "env_removed": removed,
+            "env_from_config": redact_obj(mask_env(spec.env_overrides), redact),
             "base_url": spec.base_url, "health_url": spec.health_url,
             "served_model_name": spec.served_model_name, "model_path": spec.model_path,
             "draft_path": spec.draft_path, "python": sys.executable,
@@ -211,8 +219,10 @@ class ServerProcess:
     """One running server. Use `with launch(...) as server:` so teardown always happens."""
 
     def __init__(self, spec: LaunchSpec, engine: Engine, log_path: str | os.PathLike,
-                 on_line: OnLine | None = None, tail_lines: int = 200):
+                 on_line: OnLine | None = None, tail_lines: int = 200, secrets: Iterable[str] = ()):
         self.spec, self.engine, self.on_line = spec, engine, on_line
+        # The resolved serve.secrets values: masked by value in every record and log line we write.
+        self.secrets = [v for v in secrets if v]
         self.log_path = Path(log_path)
         self.launch_path, self.pid_path = launch_file(self.log_path), pid_file(self.log_path)
         self.proc: subprocess.Popen | None = None
@@ -233,7 +243,8 @@ class ServerProcess:
         self._reader: threading.Thread | None = None
         self._log = None
         self.tag = uuid.uuid4().hex
-        self.redact = Redactor()
+        self.redact = Redactor(self.secrets)
+        self._pid_file_id: tuple[int, int] | None = None  # (device, inode) of the pid file we created
         self.owner = current_owner()
         self._watchdog: procs.Watchdog | None = None
 
@@ -250,13 +261,31 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         if self.proc is not None:
             return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        write_private(self.launch_path, json.dumps(launch_record(self.spec), indent=2))
+        ensure_log_dir(self.log_path.parent)
+        record_redact = Redactor(self.secrets)  # only the secrets: the record stays reproducible
+        self.redact = Redactor(secret_values(self.spec.env_overrides, self.spec.argv) | set(self.secrets))
+        # All three files are created new before anything starts: a name taken (a file, a planted
+        # link) fails the launch here, and no later write can land anywhere else.
+        fds: dict[Path, int] = {}
+        try:
+            for path in (self.launch_path, self.log_path, self.pid_path):
+                fds[path] = create_private(path)
+        except OSError as err:
+            for path, fd in fds.items():
+                os.close(fd)
+                path.unlink(missing_ok=True)
+            raise ServerConfigError(f"cannot create {err.filename}: {err.strerror} (server logs, launch records "
+                                    f"and pid files are always new files, never reused or followed through a "
+                                    f"link)", engine=self.spec.engine, phase="launch") from None
+        with os.fdopen(fds[self.launch_path], "w", encoding="utf-8") as f:
+            f.write(json.dumps(launch_record(self.spec, redact=record_redact), indent=2))
+        pid_fd = fds[self.pid_path]
+        st = os.fstat(pid_fd)
+        self._pid_file_id = (st.st_dev, st.st_ino)
+        self._log = os.fdopen(fds[self.log_path], "a", encoding="utf-8", buffering=1)
         self.gpu_baseline = gpu_state(self.spec.env)
-        self.redact = Redactor(secret_values(self.spec.env_overrides, self.spec.argv))
         # Every descendant inherits the tag: teardown finds a child that left the session.
         self.spec.env = {**self.spec.env, procs.TAG_VAR: self.tag}
-        self._log = open_private(self.log_path)
         try:
             # Own session: Prefect's worker kills the run's process group on cancellation, and a
             # server outside it survives; we kill it ourselves (finally / reap via the pid file).
@@ -265,7 +294,9 @@ class ServerProcess:
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as err:
             self._log.close()
-            raise ServerConfigError(f"cannot start {self.spec.argv[0]!r}: {err}",
+            os.close(pid_fd)
+            self._remove_own_pid_file()
+            raise ServerConfigError(self.redact(f"cannot start {self.spec.argv[0]!r}: {err}"),
                                     engine=self.spec.engine, phase="launch") from None
         self.pgid = self.proc.pid  # session leader == group leader
         self.started_at = self.last_progress = time.monotonic()
@@ -274,23 +305,38 @@ class ServerProcess:
         self._reader.start()
         try:
             self._start_watchdog()
-            write_private(self.pid_path, json.dumps({
-                "pid": self.proc.pid, "pgid": self.pgid, "sid": self.proc.pid, "tag": self.tag,
-                "start_ticks": _start_ticks(self.proc.pid), "argv": mask_argv(self.spec.argv),
+            with os.fdopen(pid_fd, "w", encoding="utf-8") as f:
+                pid_fd = -1  # the file object owns it now
+                f.write(json.dumps(self._pid_record(record_redact), indent=2))
+        except BaseException:
+            if pid_fd >= 0:
+                os.close(pid_fd)
+            # No caller holds this object yet (start() raised), so no `with` would stop the
+            # server, and it runs in its own session: stop it here.
+            self.stop()
+            raise
+        return self
+
+    def _pid_record(self, redact: Redactor) -> dict[str, Any]:
+        return {"pid": self.proc.pid, "pgid": self.pgid, "sid": self.proc.pid, "tag": self.tag,
+                "start_ticks": _start_ticks(self.proc.pid), "argv": redact_argv(self.spec.argv, redact),
                 "argv_sha256": argv_digest(self.spec.argv),
                 "started_at": _now_iso(), "engine": self.spec.engine, "host": self.spec.host,
                 "port": self.spec.port, "log_path": str(self.log_path), "launcher_pid": os.getpid(),
                 "launcher_start_ticks": _start_ticks(os.getpid()), "owner": self.owner,
                 "watchdog_pid": self._watchdog.pid if self._watchdog else None,
                 "gpu_baseline": self.gpu_baseline,
-                "cuda_visible_devices": self.spec.env.get("CUDA_VISIBLE_DEVICES"),
-            }, indent=2))
-        except BaseException:
-            # No caller holds this object yet (start() raised), so no `with` would stop the
-            # server, and it runs in its own session: stop it here.
-            self.stop()
-            raise
-        return self
+                "cuda_visible_devices": self.spec.env.get("CUDA_VISIBLE_DEVICES")}
+
+    def _remove_own_pid_file(self) -> None:
+        """Remove the pid file only if that name still is the file this launch created (another
+        server's pid file is never deleted by our teardown)."""
+        try:
+            st = os.lstat(self.pid_path)
+        except OSError:
+            return
+        if (st.st_dev, st.st_ino) == self._pid_file_id:
+            self.pid_path.unlink(missing_ok=True)
 
     # ---- log reading -----------------------------------------------------------------------
     def _read(self) -> None:
@@ -419,7 +465,7 @@ class ServerProcess:
                         self.gpu_baseline, self.spec.env, gpu_timeout_s, gpu_tolerance_mib)
         report.seconds = round(time.monotonic() - t0, 3)
         if report.ok:
-            self.pid_path.unlink(missing_ok=True)  # kept on failure: reap() can try again
+            self._remove_own_pid_file()  # kept on failure: reap() can try again
         self.teardown = report
         return report
 
@@ -437,9 +483,9 @@ class ServerProcess:
 
 
 def launch(spec: LaunchSpec, engine: Engine, log_path: str | os.PathLike,
-           on_line: OnLine | None = None) -> ServerProcess:
+           on_line: OnLine | None = None, secrets: Iterable[str] = ()) -> ServerProcess:
     """Start the server now; use as `with launch(...) as server:`."""
-    return ServerProcess(spec, engine, log_path, on_line).start()
+    return ServerProcess(spec, engine, log_path, on_line, secrets=secrets).start()
 
 
 

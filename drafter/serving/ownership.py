@@ -9,6 +9,7 @@ import contextvars
 import hashlib
 import json
 import os
+import stat
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -59,10 +60,10 @@ def owns(owner: Mapping[str, Any] | None, run_id: str) -> bool:
 
 def port_in_use(spec: LaunchSpec) -> str:
     """Say who holds the port: one of our servers (its pid file, its run, how to reap it) or
-    another process (its pid and command line, where /proc shows them)."""
+    another process (its pid and name: never its command line, which may carry its secrets)."""
     msg = f"port {spec.port} on {spec.host} is already in use"
-    for path, info in _pid_files(spec.log_dir, spec.port):
-        if procs.alive(info.get("pid"), info.get("start_ticks")):
+    for path, info in pid_files(spec.log_dir, spec.port):
+        if verified_leader(info) is not None:  # a forged file does not make a process "ours"
             return (f"{msg} by our {info.get('engine')} server pid {info['pid']}, launched by "
                     f"{_owner_text(info)} (pid file {path}; stop it with "
                     f"`python -m drafter.serving.launcher reap {path}`)")
@@ -80,15 +81,32 @@ def _owner_text(info: Mapping[str, Any]) -> str:
     return f"pid {info.get('launcher_pid')} ({'running' if running else 'gone'})"
 
 
-def _pid_files(log_dir: str | os.PathLike | None, port: int | None = None) -> list[tuple[Path, dict]]:
-    """Our pid files in `log_dir` (for `port` only, if given), parsed; unreadable ones skipped."""
+def read_pid_file(path: str | os.PathLike) -> dict | None:
+    """A pid file's content, or None unless it is a regular file of this user, read without
+    following a link: anyone who can write into a shared log directory could plant the rest.
+    Even then its content is a claim, checked against the kernel before anything is signalled
+    (`verified_leader`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                return None
+            info = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def pid_files(log_dir: str | os.PathLike | None, port: int | None = None) -> list[tuple[Path, dict]]:
+    """Our pid files in `log_dir` (for `port` only, if given), parsed; unusable ones skipped."""
     out = []
     for path in sorted(Path(log_dir or ".").glob("*.pid.json")):
-        try:
-            info = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if port is None or info.get("port") == port:
+        info = read_pid_file(path)
+        if info is not None and (port is None or info.get("port") == port):
             out.append((path, info))
     return out
 
@@ -101,30 +119,54 @@ def really_ours(info: Mapping[str, Any]) -> bool:
     """Is the process a pid file names still the one we launched: same pid, same start time,
     same command line? (a pid the kernel handed to someone else is never touched)."""
     pid = info.get("pid")
-    if not procs.alive(pid, info.get("start_ticks")) or info.get("start_ticks") is None:
+    if not isinstance(pid, int) or info.get("start_ticks") is None or not procs.alive(pid, info.get("start_ticks")):
         return False
     argv = procs.cmdline(pid)
     return argv is not None and argv_digest(argv) == info.get("argv_sha256")
 
 
+def verified_leader(info: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(pgid, sid) of a pid file's server as the KERNEL reports them, when its leader is verified:
+    really ours (pid, start time, command line: all of which anyone can read in /proc, so they
+    prove nothing alone), carrying the file's tag in its environment (owner-only, random, never on
+    a command line) and in the group and session the file names. None otherwise: the file's own
+    pgid / sid are never signalled on its word (a forged file named a decoy and a victim's session)."""
+    tag = info.get("tag")
+    if not really_ours(info) or not procs.carries_tag(info["pid"], tag):
+        return None
+    st = procs.proc_stat(info["pid"])
+    if st is None:
+        return None
+    pgid, sid = int(st[2]), int(st[3])
+    return (pgid, sid) if (pgid, sid) == (info.get("pgid"), info.get("sid")) else None
+
+
 def reap_stale(log_dir: str | os.PathLike | None, port: int) -> list[str]:
-    """Before a launch on `port`: pid files of ours whose launcher is gone. A server that is still
-    really ours (pid + start time + command line) is reaped; a file whose server is gone is
-    removed. A server whose launcher still runs is left alone (preflight names it). Returns what
-    was done, one line each."""
+    """Before a launch on `port`: pid files of ours whose launcher is gone. A server whose leader
+    verifies (`verified_leader`) is reaped; a file whose leader is gone is reaped (what is left of it
+    that carries its tag) and removed. A server whose launcher still runs, and a live process that
+    does not verify, are left alone (preflight names the port's holder). Returns what was done, one
+    line each."""
     notes = []
-    for path, info in _pid_files(log_dir, port):
+    for path, info in pid_files(log_dir, port):
         if procs.alive(info.get("launcher_pid"), info.get("launcher_start_ticks")):
             continue
-        if really_ours(info):
+        if verified_leader(info) is not None:
             result = reap(path)
             notes.append(f"reaped a server left by a dead run on port {port}: pid {info['pid']} "
                          f"({_owner_text(info)}), pid file {path}"
-                         + ("" if result.get("problems") is None or not result["problems"]
-                            else f"; problems: {'; '.join(result['problems'])}"))
+                         + ("" if not result.get("problems") else f"; problems: {'; '.join(result['problems'])}"))
         elif not procs.alive(info.get("pid"), info.get("start_ticks")):
-            path.unlink(missing_ok=True)
-            notes.append(f"removed a stale pid file (server pid {info.get('pid')} gone): {path}")
+            # Its leader is gone: reap stops only what still carries its tag in its group or
+            # session (an orphaned child), and removes the file once nothing is left.
+            result = reap(path)
+            if result.get("reaped"):
+                notes.append(f"reaped what was left of a server of a dead run on port {port} (leader pid "
+                             f"{info.get('pid')} gone), pid file {path}"
+                             + ("" if not result.get("problems") else f"; problems: {'; '.join(result['problems'])}"))
+            elif not path.exists():
+                notes.append(f"removed a stale pid file (server pid {info.get('pid')} gone): {path}")
+        # else: the pid is alive but not verified as ours: left alone (preflight names the holder)
     return notes
 
 
@@ -168,33 +210,47 @@ def reap(pid_path: str | os.PathLike, grace_s: float = 10.0, kill_wait_s: float 
     on_cancellation hook, which runs elsewhere). Safe to call twice or on a stale file."""
     t0 = time.monotonic()
     path = Path(pid_path)
+    info = read_pid_file(path)
     try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        return {"reaped": False, "reason": f"no usable pid file: {err}"}
-    pgid, sid, pid, tag = info["pgid"], info.get("sid"), info["pid"], info.get("tag")
-    ticks = procs.start_ticks(pid)
-    leader_reused = ticks is not None and info.get("start_ticks") is not None and ticks != info["start_ticks"]
-    # The leader's pid can only be reused once its whole group is gone (the kernel does not
-    # hand out a pid still used as a pgid); processes carrying the tag are ours whatever pid.
-    left_now = procs.members(pgid, sid, tag) if not leader_reused else procs.members(-1, None, tag)
+        pid, port = int(info["pid"]), int(info["port"])
+        recorded_pgid, recorded_sid = int(info["pgid"]), int(info["sid"])
+    except (TypeError, KeyError, ValueError):
+        return {"reaped": False, "reason": f"no usable pid file: {path} (missing, not a regular file of this "
+                                           f"user, or not a pid file of ours)"}
+    tag = info.get("tag")
+    # Only processes verified as this server's are ever signalled, never on the file's word:
+    kernel = verified_leader(info)
+    if kernel is not None:
+        # the leader is ours: its group and session as the kernel has them, and the tag it carries
+        pgid, sid, tagged_only = *kernel, False
+    elif procs.alive(pid, info.get("start_ticks")):
+        # a live process that is not what the file says: a forged file, or a server that rewrote its
+        # command line or environment. Nothing is signalled; a person decides.
+        return {"reaped": False, "reason": f"pid {pid} is alive but is not the server this pid file "
+                                           f"describes (start time, command line, tag, group or session "
+                                           f"differ): nothing signalled",
+                "problems": [f"pid file {path} does not match pid {pid}: left alone"]}
+    else:
+        # the leader is gone (its pid may be reused): only processes carrying the tag AND in the
+        # recorded group or session (a pid is not reused while it names a group or session)
+        pgid, sid, tagged_only = recorded_pgid, recorded_sid, True
+    left_now = procs.members(pgid, sid, tag, tagged_only=tagged_only)
     if not left_now:
-        holders = procs.port_holders(info["port"])
+        holders = procs.port_holders(port)
         if holders:  # nothing of ours found, yet something listens: say so, never "gone"
-            return {"reaped": False, "reason": f"no process of this server found, but port {info['port']} is "
+            return {"reaped": False, "reason": f"no process of this server found, but port {port} is "
                                                f"held by " + ", ".join(procs.describe_pid(p) for p in holders),
-                    "problems": [f"port {info['port']} still in use"]}
-        path.unlink(missing_ok=True)
-        return {"reaped": False, "reason": "server already gone" + (" (pid reused)" if leader_reused else "")}
-    signals, left = procs.terminate(pgid if not leader_reused else -1, sid if not leader_reused else None,
-                                    grace_s, kill_wait_s, tag)
+                    "problems": [f"port {port} still in use"]}
+        procs.remove_pid_file(path, tag)
+        return {"reaped": False, "reason": "server already gone"}
+    signals, left = procs.terminate(pgid, sid, grace_s, kill_wait_s, tag, tagged_only=tagged_only)
     report = TeardownReport(signals=signals, remaining_pids=left)
     env = dict(os.environ)
     if info.get("cuda_visible_devices") is not None:
         env["CUDA_VISIBLE_DEVICES"] = info["cuda_visible_devices"]
-    verify_released(report, info.get("host", "127.0.0.1"), info["port"], port_timeout_s,
+    verify_released(report, info.get("host", "127.0.0.1"), port, port_timeout_s,
                     info.get("gpu_baseline"), env, gpu_timeout_s)
     report.seconds = round(time.monotonic() - t0, 3)
     if report.ok:
-        path.unlink(missing_ok=True)
+        procs.remove_pid_file(path, tag)
     return {"reaped": True, **report.to_dict()}

@@ -8,7 +8,8 @@ A server's processes are its process group, its session, and every process whose
 carries the server's tag (`DRAFTER_SERVER_TAG`, set at launch and inherited by every descendant):
 the tag finds a child that left the session (`setsid -f`, a daemonising script), which a
 process-group kill would miss. A process that clears its environment escapes it (a documented
-limit).
+limit). The tag is also what proves a process is ours (`carries_tag`, ownership.reap): it is
+random and only where its owner can read it (environments, 0600 pid files), never on a command line.
 
 The watchdog: the launcher starts it next to the server with the read end of a pipe whose write
 end only the launcher holds. When the launcher dies, by any signal including SIGKILL, the kernel
@@ -20,8 +21,10 @@ watchdog fires only once that child is gone too.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 TAG_VAR = "DRAFTER_SERVER_TAG"
+_WATCH_TAG_VAR = "DRAFTER_WATCH_TAG"  # how the watchdog gets the tag (not TAG_VAR: it would find itself)
 
 
 def proc_stat(pid: int) -> list[str] | None:
@@ -71,10 +75,23 @@ def _has_tag(pid: int, tag: bytes) -> bool:
         return False
 
 
-def members(pgid: int, sid: int | None = None, tag: str | None = None) -> list[int]:
+def carries_tag(pid: int, tag: str | None) -> bool:
+    """Does `pid` really carry our server tag in its environment? /proc/<pid>/environ is readable
+    by the process's owner only, and the tag is random and never on a command line, so another
+    user can neither read it nor plant it in a process of ours."""
+    return bool(tag) and _has_tag(pid, f"{TAG_VAR}={tag}".encode())
+
+
+def members(pgid: int, sid: int | None = None, tag: str | None = None, *, tagged_only: bool = False) -> list[int]:
     """Live (non-zombie) processes in process group `pgid`, session `sid`, or carrying `tag`.
-    Zombies hold no memory or ports, so they do not count as left behind."""
+    Zombies hold no memory or ports, so they do not count as left behind. `tagged_only`: only
+    processes that carry `tag` AND are in the group or session (what a pid file whose leader is
+    gone may name: the file's group and session alone prove nothing)."""
+    if tagged_only and not tag:
+        return []
     if not os.path.isdir("/proc"):
+        if tagged_only:  # no environ to check the tag in: nothing is provably ours
+            return []
         try:
             os.killpg(pgid, 0)
             return [pgid]
@@ -90,7 +107,11 @@ def members(pgid: int, sid: int | None = None, tag: str | None = None) -> list[i
         st = proc_stat(pid)
         if st is None or st[0] in ("Z", "X"):
             continue
-        if int(st[2]) == pgid or (sid is not None and int(st[3]) == sid) or (marker and _has_tag(pid, marker)):
+        in_server = int(st[2]) == pgid or (sid is not None and int(st[3]) == sid)
+        if tagged_only:
+            if in_server and _has_tag(pid, marker):
+                out.append(pid)
+        elif in_server or (marker and _has_tag(pid, marker)):
             out.append(pid)
     return sorted(out)
 
@@ -110,31 +131,37 @@ def signal_all(pgid: int, pids: list[int], sig: int) -> None:
 
 
 def terminate(pgid: int, sid: int | None, grace_s: float, kill_wait_s: float, tag: str | None = None,
-              reap_leader: Callable[[], None] = lambda: None) -> tuple[list[str], list[int]]:
+              reap_leader: Callable[[], None] = lambda: None, *,
+              tagged_only: bool = False) -> tuple[list[str], list[int]]:
     """SIGTERM every member, wait `grace_s`, SIGKILL what is left, wait `kill_wait_s`.
-    Returns (signals sent, pids still alive)."""
+    Returns (signals sent, pids still alive). `tagged_only` (see `members`): each verified pid is
+    signalled on its own, never the whole group (which may hold processes that are not ours)."""
     sent: list[str] = []
+    group = -1 if tagged_only else pgid
+
+    def find() -> list[int]:
+        return members(pgid, sid, tag, tagged_only=tagged_only)
 
     def wait(seconds: float) -> list[int]:
         deadline = time.monotonic() + seconds
         while True:
             reap_leader()
-            left = members(pgid, sid, tag)
+            left = find()
             if not left or time.monotonic() >= deadline:
                 return left
             time.sleep(0.05)
 
-    left = members(pgid, sid, tag)
+    left = find()
     if not left:
         return sent, []
     try:
-        signal_all(pgid, left, signal.SIGTERM)
+        signal_all(group, left, signal.SIGTERM)
         sent.append("SIGTERM")
         left = wait(grace_s)
     finally:
         # Even when interrupted (a second Ctrl-C) nothing of the server may survive.
         if left:
-            signal_all(pgid, members(pgid, sid, tag), signal.SIGKILL)
+            signal_all(group, find(), signal.SIGKILL)
             sent.append("SIGKILL")
     if "SIGKILL" in sent:
         left = wait(kill_wait_s)
@@ -182,9 +209,34 @@ def port_holders(port: int) -> list[int]:
 
 
 def describe_pid(pid: int) -> str:
-    argv = cmdline(pid) or []
-    shown = " ".join(argv)[:120]
-    return f"pid {pid} ({shown})" if shown else f"pid {pid}"
+    """`pid N (name)`: the kernel's short name of the process, never its command line. A holder's
+    arguments may carry its secrets (`--api-key ...`, a token as a plain argument) and this text
+    ends up in error messages, Prefect state messages and the bench's committed failure records;
+    `ps -o args= -p N` shows the rest to whoever may see it."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        name = ""
+    return f"pid {pid} ({name})" if name else f"pid {pid}"
+
+
+def remove_pid_file(path: str | os.PathLike, tag: str | None) -> bool:
+    """Remove a server's pid file only if it still is that server's (a regular file, read without
+    following a link, naming `tag`): a teardown never deletes another server's pid file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return False
+            if not tag or json.loads(f.read(1 << 20) or b"{}").get("tag") != tag:
+                return False
+    except (OSError, ValueError, AttributeError):
+        return False
+    Path(path).unlink(missing_ok=True)
+    return True
 
 
 # ---- the watchdog
@@ -203,7 +255,7 @@ def watch(fd: int, pgid: int, sid: int | None, tag: str | None, grace_s: float,
         _say(f"drafter watchdog: launcher gone, stopping server processes {left}")
         _, left = terminate(pgid, sid, grace_s, 5.0, tag)
         if not left and pid_file:
-            Path(pid_file).unlink(missing_ok=True)
+            remove_pid_file(pid_file, tag)
 
 
 def _say(line: str) -> None:
@@ -225,10 +277,13 @@ class Watchdog:
         read_fd, write_fd = os.pipe()  # both non-inheritable; pass_fds hands the read end over
         try:
             # Its own session: whatever ends the launcher's group (Prefect, a terminal) spares it.
+            # The tag goes in its environment (owner-only), never its command line (world-readable
+            # in /proc): the tag is what proves a process is our server (ownership.reap).
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "drafter.serving.procs", "watch", str(read_fd), str(pgid),
-                 str(sid), tag, str(grace_s), pid_file],
+                 str(sid), str(grace_s), pid_file],
                 pass_fds=(read_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                env={**os.environ, _WATCH_TAG_VAR: tag},
                 start_new_session=True, cwd=Path(__file__).resolve().parents[2])
         except BaseException:
             os.close(write_fd)
@@ -260,11 +315,12 @@ class Watchdog:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 7 or argv[0] != "watch":
-        print("usage: python -m drafter.serving.procs watch FD PGID SID TAG GRACE_S PID_FILE "
+    if len(argv) != 6 or argv[0] != "watch":
+        print("usage: DRAFTER_WATCH_TAG=TAG python -m drafter.serving.procs watch FD PGID SID GRACE_S PID_FILE "
               "(PID_FILE '': none)", file=sys.stderr)
         return 2
-    _, fd, pgid, sid, tag, grace, pid_file = argv
+    _, fd, pgid, sid, grace, pid_file = argv
+    tag = os.environ.pop(_WATCH_TAG_VAR, "") or None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the launcher is not for us
     watch(int(fd), int(pgid), int(sid), tag, float(grace), pid_file)
     return 0

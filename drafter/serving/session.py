@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -24,9 +25,9 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from drafter.config import LifecycleConfig
-from drafter.secrets import expand_placeholders, resolve_all, secret_looking_env
+from drafter.secrets import Redactor, expand_placeholders, redact_obj, resolve_all, secret_looking_env
 from drafter.serving.engines import check_speculative_settings, engine_python, make_engine
-from drafter.serving.errors import ServerConfigError, TeardownError
+from drafter.serving.errors import ServerConfigError, ServerStartError, TeardownError
 from drafter.serving.gate import wait_until_ready
 from drafter.serving.launcher import OnLine, ServerProcess, launch_file, preflight
 from drafter.serving.layer_check import check_draft_layer_ids
@@ -36,15 +37,13 @@ from drafter.serving.sglang_rules import preflight_with_sglang
 log = logging.getLogger("drafter.serving")
 
 
-def new_log_path(log_dir: str | os.PathLike, engine: str) -> Path:
-    """runs/logs/<engine>-<UTC time>.log, never reusing an existing name."""
+def new_log_path(log_dir: str | os.PathLike, engine: str, port: int | None = None) -> Path:
+    """runs/logs/<engine>-<UTC time>-<port>-<random>.log: unique per launch, so servers started in
+    the same second (fan-out children on one host) never share a log, launch record or pid file,
+    and a name nobody can guess in advance (the files are created O_EXCL anyway: launcher)."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    base = Path(log_dir) / f"{engine}-{stamp}"
-    path, n = base.with_suffix(".log"), 1
-    while path.exists():
-        n += 1
-        path = Path(f"{base}-{n}.log")
-    return path
+    port_part = f"-{port}" if port is not None else ""
+    return Path(log_dir) / f"{engine}-{stamp}{port_part}-{secrets.token_hex(4)}.log"
 
 
 class Terminated(KeyboardInterrupt):
@@ -123,7 +122,7 @@ class ServerSession:
         self.cfg, self.draft_path, self.faults, self.on_line = cfg, draft_path, tuple(faults), on_line
         self.forced_accept_length = forced_accept_length
         self.engine = make_engine(cfg.serve.engine)
-        self.log_path = new_log_path(log_dir or cfg.serve.log_dir, self.engine.name)
+        self.log_path = new_log_path(log_dir or cfg.serve.log_dir, self.engine.name, cfg.serve.port)
         self.phase_budgets, self.poll_s = phase_budgets, poll_s
         self.grace_s, self.gpu_timeout_s = grace_s, gpu_timeout_s
         self.strict_settings, self.check_teardown = strict_settings, check_teardown
@@ -133,6 +132,7 @@ class ServerSession:
         self.sglang_rules: dict[str, Any] = {}  # sglang: who decided how it reads our flags (drafter.serving.sglang_rules)
         self.process: ServerProcess | None = None
         self.teardown: TeardownReport | None = None
+        self.redact = Redactor()  # the resolved secrets' values, once resolved: for our messages
         self._stack: ExitStack | None = None
 
     @property
@@ -147,10 +147,11 @@ class ServerSession:
             spec = engine.build_launch(cfg, self.draft_path, self.log_path.parent, faults=self.faults,
                                        forced_accept_length=self.forced_accept_length)
             # Secrets are resolved here, in the launching process, and only handed to the server.
-            secrets = resolve_all(cfg.serve.secrets)
-            spec.env.update(secrets)
-            spec.env_overrides.update(secrets)
-            spec.argv = expand_placeholders(spec.argv, secrets)
+            resolved = resolve_all(cfg.serve.secrets)
+            self.redact = Redactor(resolved.values())
+            spec.env.update(resolved)
+            spec.env_overrides.update(resolved)
+            spec.argv = expand_placeholders(spec.argv, resolved)
             self.base_url = spec.base_url
             # A server of ours whose run died (pid file, launcher gone) would hold the port.
             stale = reap_stale(spec.log_dir, spec.port)
@@ -172,7 +173,8 @@ class ServerSession:
                 self.notes.append(f"sglang rules: {self.sglang_rules['source']}")
             for note in self.notes:
                 log.info("%s preflight: %s", engine.name, note)
-            self.process = ServerProcess(spec, engine, self.log_path, self.on_line).start()
+            self.process = ServerProcess(spec, engine, self.log_path, self.on_line,
+                                         secrets=resolved.values()).start()
             stack.callback(self._stop)
             report = wait_until_ready(self.process, engine, spec, cfg.serve.startup_timeout_s,
                                       cfg.serve.stall_timeout_s, self.phase_budgets, self.poll_s)
@@ -190,6 +192,8 @@ class ServerSession:
         except BaseException as err:
             if self.process is not None and isinstance(err, Exception):
                 err.add_note(f"server log: {self.log_path}")
+            if isinstance(err, ServerStartError):
+                _redact_error(err, self.redact)
             self._close(err)
             raise
 
@@ -209,6 +213,17 @@ class ServerSession:
         if exc is None:
             raise TeardownError(self.teardown.problems)
         exc.add_note("teardown incomplete: " + "; ".join(self.teardown.problems))
+
+
+def _redact_error(err: ServerStartError, redact: Redactor) -> None:
+    """A start failure's message travels far (Prefect state messages, the bench's committed
+    failure records): the resolved secrets' values are masked in it wherever they stand."""
+    err.message = redact(err.message)
+    err.args = (err.message, *err.args[1:])
+    err.log_tail = [redact(line) for line in err.log_tail]
+    for key, value in list(err._extra.items()):
+        err._extra[key] = redact_obj(value, redact)
+        setattr(err, key, err._extra[key])
 
 
 def serve_until_interrupted(served: ServedServer, poll_s: float = 1.0) -> None:

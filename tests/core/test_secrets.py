@@ -89,3 +89,40 @@ def test_counts_and_paths_are_not_secrets():
     assert mask_argv(argv) == ["--speculative-num-draft-tokens", "4", "--max-total-tokens", "4096",
                                "--tokenizer-path", "/m", "--api-key", MASK, "--token", MASK,
                                "--ssl-keyfile-password", MASK]
+
+
+def test_a_secret_after_a_harmless_looking_flag_is_masked_by_value(tmp_path, monkeypatch):
+    """Issue 32: `--extra-x {secret:MYTOK}` and `--header=Authorization: Bearer {secret:MYTOK}` were
+    saved resolved (only `--hf-token` style flags were masked): the value is masked wherever it stands,
+    in the launch record, the pid file (read while the server runs) and every file of the run."""
+    from drafter.serving.ownership import pid_file
+    from drafter.serving.session import ServerSession
+
+    monkeypatch.setenv("PLANTED_FOR_TEST", PLANTED)
+    raw = secret_profile(tmp_path, "env:PLANTED_FOR_TEST")
+    raw["serve"]["secrets"] = {"MYTOK": "env:PLANTED_FOR_TEST"}
+    raw["serve"]["command"] = raw["serve"]["command"][:4] + [
+        "--extra-x", "{secret:MYTOK}", "--header=Authorization: Bearer {secret:MYTOK}"]
+    cfg = parse_config(raw)
+    with ServerSession(cfg, poll_s=0.1, grace_s=3.0) as served:
+        assert served.process.spec.argv[-2] == PLANTED  # the server got the value itself
+        pid_text = pid_file(served.log_path).read_text()
+        launch = json.loads(served.launch_path.read_text())
+    assert launch["argv"][-3:] == ["--extra-x", MASK, "--header=Authorization: Bearer " + MASK]
+    assert PLANTED not in pid_text and json.loads(pid_text)["argv"][-2] == MASK
+    for path in (tmp_path / "logs").rglob("*"):
+        assert PLANTED.encode() not in path.read_bytes(), path
+
+
+def test_serve_env_warnings_by_name_and_by_url_credentials():
+    """Issue 32: TOKENIZERS_PARALLELISM is a tuning flag (no warning, its value kept in records); a
+    URL carrying a password is a secret whatever the variable's name."""
+    from drafter.secrets import secret_looking_env
+
+    warnings = secret_looking_env({"TOKENIZERS_PARALLELISM": "false", "DATABASE_URL": "postgres://u:PASSWORD@h/db",
+                                   "CACHE_URL": "https://cache.example/x", "HF_TOKEN": "hf_x",
+                                   "FEED": "https://h/feed?token=abc123"})
+    assert [w.split(" ", 1)[0] for w in warnings] == ["serve.env.DATABASE_URL", "serve.env.FEED", "serve.env.HF_TOKEN"]
+    assert "URL carrying credentials" in warnings[0] and "PASSWORD" not in " ".join(warnings)
+    assert mask_env({"TOKENIZERS_PARALLELISM": "false"}) == {"TOKENIZERS_PARALLELISM": "false"}
+    assert mask_env({"HF_TOKEN": "x", "TOKENIZER_SECRET": "y"}) == {"HF_TOKEN": MASK, "TOKENIZER_SECRET": MASK}
