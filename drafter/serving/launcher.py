@@ -63,7 +63,12 @@ def create_private(path: Path) -> int:
     return its descriptor. O_EXCL|O_NOFOLLOW: a name that already exists (a file, or a link planted
     in a shared log directory to make us overwrite and re-mode a file elsewhere) is an error, never
     reused or followed."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as err:
+        raise ServerConfigError(f"cannot create {path}: {err.strerror} (server logs, launch records and pid "
+                                f"files are always new files, never reused or followed through a link)",
+                                phase="launch") from None
     os.fchmod(fd, 0o600)  # exactly owner-only whatever the umask
     return fd
 
@@ -264,25 +269,15 @@ class ServerProcess:
         ensure_log_dir(self.log_path.parent)
         record_redact = Redactor(self.secrets)  # only the secrets: the record stays reproducible
         self.redact = Redactor(secret_values(self.spec.env_overrides, self.spec.argv) | set(self.secrets))
-        # All three files are created new before anything starts: a name taken (a file, a planted
-        # link) fails the launch here, and no later write can land anywhere else.
-        fds: dict[Path, int] = {}
-        try:
-            for path in (self.launch_path, self.log_path, self.pid_path):
-                fds[path] = create_private(path)
-        except OSError as err:
-            for path, fd in fds.items():
-                os.close(fd)
-                path.unlink(missing_ok=True)
-            raise ServerConfigError(f"cannot create {err.filename}: {err.strerror} (server logs, launch records "
-                                    f"and pid files are always new files, never reused or followed through a "
-                                    f"link)", engine=self.spec.engine, phase="launch") from None
-        with os.fdopen(fds[self.launch_path], "w", encoding="utf-8") as f:
+        # Every file is created new (create_private): a name taken (a file, a planted link) fails
+        # the launch with one line, and no write lands anywhere else.
+        with os.fdopen(create_private(self.launch_path), "w", encoding="utf-8") as f:
             f.write(json.dumps(launch_record(self.spec, redact=record_redact), indent=2))
-        pid_fd = fds[self.pid_path]
-        st = os.fstat(pid_fd)
-        self._pid_file_id = (st.st_dev, st.st_ino)
-        self._log = os.fdopen(fds[self.log_path], "a", encoding="utf-8", buffering=1)
+        try:
+            self._log = os.fdopen(create_private(self.log_path), "a", encoding="utf-8", buffering=1)
+        except ServerConfigError:
+            self.launch_path.unlink(missing_ok=True)
+            raise
         self.gpu_baseline = gpu_state(self.spec.env)
         # Every descendant inherits the tag: teardown finds a child that left the session.
         self.spec.env = {**self.spec.env, procs.TAG_VAR: self.tag}
@@ -294,8 +289,6 @@ class ServerProcess:
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as err:
             self._log.close()
-            os.close(pid_fd)
-            self._remove_own_pid_file()
             raise ServerConfigError(self.redact(f"cannot start {self.spec.argv[0]!r}: {err}"),
                                     engine=self.spec.engine, phase="launch") from None
         self.pgid = self.proc.pid  # session leader == group leader
@@ -305,17 +298,23 @@ class ServerProcess:
         self._reader.start()
         try:
             self._start_watchdog()
-            with os.fdopen(pid_fd, "w", encoding="utf-8") as f:
-                pid_fd = -1  # the file object owns it now
-                f.write(json.dumps(self._pid_record(record_redact), indent=2))
+            self._write_pid_file(record_redact)
         except BaseException:
-            if pid_fd >= 0:
-                os.close(pid_fd)
             # No caller holds this object yet (start() raised), so no `with` would stop the
             # server, and it runs in its own session: stop it here.
             self.stop()
             raise
         return self
+
+    def _write_pid_file(self, redact: Redactor) -> None:
+        """Created new (create_private) with its content at once: other processes poll for it.
+        Its (device, inode) says later that the name is still our file (`_remove_own_pid_file`)."""
+        text = json.dumps(self._pid_record(redact), indent=2)
+        fd = create_private(self.pid_path)
+        st = os.fstat(fd)
+        self._pid_file_id = (st.st_dev, st.st_ino)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
 
     def _pid_record(self, redact: Redactor) -> dict[str, Any]:
         return {"pid": self.proc.pid, "pgid": self.pgid, "sid": self.proc.pid, "tag": self.tag,
