@@ -123,7 +123,8 @@ def _run_stage(name: str, cfg: LifecycleConfig, on_line=None):
 
     bar = _progress_bar(name, unit=TABLE[name].unit)
     try:
-        result = TABLE.run(name, cfg, open_store(cfg.storage), progress=bar.update_to, on_line=on_line)
+        result = TABLE.run(name, cfg, open_store(cfg.storage), progress=bar.update_to,
+                           on_line=bar.around(on_line) if on_line else None)
     finally:
         bar.close()
     typer.echo(result.outcome())
@@ -427,6 +428,13 @@ class _Bar:
         if info:
             self._bar.set_postfix_str(", ".join(_fmt(i) for i in info))
         self._bar.refresh()
+
+    def around(self, echo):
+        """`echo` with the bar cleared first and redrawn after: a line never lands on the bar's line."""
+        def write(line: str) -> None:
+            with self._bar.external_write_mode(file=sys.stderr):
+                echo(line)
+        return write
 
     def close(self) -> None:
         self._bar.close()

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from drafter.config import SpeculativeConfig
+from drafter.config import ConfigError, SpeculativeConfig
 from drafter.layers import READ_VERSIONS, UnknownLayerIdRule, engine_layer_ids
 from drafter.serving.errors import ServerConfigError
 from drafter.serving.layer_check import installed_version, target_architecture
@@ -224,8 +224,13 @@ def validate_with_sglang(cfg) -> dict[str, Any]:
     launches.append((None, False, engine.build_launch(cfg.model_copy(update={"serve": cfg.serve.model_copy(
         update={"speculative": None})}), None).argv))
     layers = None
-    if num_layers:
-        ours = cfg.aux_layer_ids()
+    try:
+        ours = cfg.aux_layer_ids() if num_layers else None
+    except ConfigError:
+        # a serve-only profile of a shallow target has no default ids: the draft's own are
+        # checked at launch (drafter.serving.layer_check), so nothing is resolved here
+        ours = None
+    if ours is not None:
         try:
             written = engine_layer_ids(ours, "sglang", cfg.export.sglang_version, arch).ids
         except UnknownLayerIdRule as err:

@@ -300,6 +300,24 @@ def test_config_validate_asks_the_installed_sglang(world, sglang_py, tmp_path):
         refused.output
 
 
+def test_config_validate_of_a_serve_only_profile_of_a_shallow_target(world, sglang_py, tmp_path):
+    """A 4-layer target has no default aux ids, and a serve-only profile names none: SGLang still
+    checks the settings, and the draft's own ids are left to the launch's layer check."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from drafter.cli import app
+
+    path = _profile(tmp_path, world["targets"]["LlamaForCausalLM"], sglang_py,
+                    speculative={"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4})
+    body = yaml.safe_load(path.read_text())
+    del body["dump"], body["bench"]
+    path.write_text(yaml.safe_dump(body))
+    ok = CliRunner().invoke(app, ["config", "validate", str(path)])
+    assert ok.exit_code == 0, ok.output
+    assert f"checked by sglang {SGLANG_VERSION} installed" in ok.output and "aux_layer_ids" not in ok.output
+
+
 def test_the_serve_preflight_refuses_before_any_launch(world, sglang_py, tmp_path):
     from drafter.serving.check import check_server
 
