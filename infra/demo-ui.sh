@@ -9,5 +9,6 @@ if [ -f "$RUN_DIR/server.pid" ] && kill -0 "$(cat "$RUN_DIR/server.pid")" 2>/dev
   echo "the local Prefect server already runs (pid $(cat "$RUN_DIR/server.pid")): http://$PREFECT_SERVER_API_HOST:$PREFECT_SERVER_API_PORT"
   exit 0
 fi
+umask 077  # a database this server creates is private, as infra/prefect-up.sh makes it
 echo "Prefect UI over $PREFECT_HOME at http://$PREFECT_SERVER_API_HOST:$PREFECT_SERVER_API_PORT (Ctrl-C stops it)"
 exec "$PREFECT" server start --host "$PREFECT_SERVER_API_HOST" --port "$PREFECT_SERVER_API_PORT" --ui --no-services

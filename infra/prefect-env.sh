@@ -42,6 +42,7 @@ run_deployment() {
   echo "== prefect deployment run $deployment --watch"
   # whole lines (not wrapped at 80 columns when piped), so the log keeps each reason on one line
   # The run's final state decides below (infra/run_state.py), not this pipe's exit status.
+  (umask 077 && : >"$run_log")  # private like the other logs under the Prefect home (tee keeps the mode)
   PREFECT_CLI_WRAP_LINES=false "$PREFECT" deployment run "$deployment" --param "profile=$PROFILE" --watch \
     | tee "$run_log" || true
   run_id=$(grep -oE 'UUID: [0-9a-f-]{36}' "$run_log" | head -1 | sed 's/^UUID: //')

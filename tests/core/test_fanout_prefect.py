@@ -36,13 +36,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PREFECT = str(ROOT / ".venv" / "bin" / "prefect") if (ROOT / ".venv").exists() else "prefect"
 CHAT = ROOT / "tests" / "fixtures" / "chat_server.py"
 STAGES = '["prepare", "datagen", "dump"]'
+# In the workers' environment only (as an `env:` secret would be): what Prefect's process worker
+# leaves behind when it dies (README: Secrets).
+PLANTED = "fanout-planted-Secret-51be0a"
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     """A Prefect server and 3 process workers on one pool, the deployments registered."""
-    with local_prefect(tmp_path_factory.mktemp("prefect-fanout"), DRAFTER_WORKERS="3", DRAFTER_WORKER_LIMIT="2") as env:
+    with local_prefect(tmp_path_factory.mktemp("prefect-fanout"), DRAFTER_WORKERS="3", DRAFTER_WORKER_LIMIT="2",
+                       DRAFTER_FANOUT_PLANTED=PLANTED) as env:
         yield env
 
 
@@ -215,8 +219,14 @@ def test_fanned_out_stages_survive_a_killed_worker_and_equal_one_worker(pool, ti
     victim, worker = wait_for("a datagen child mid-range on a worker without the parent", victim_on_another_worker,
                               timeout=240)
     victim_run = run_of(victim["pid"])
+    # the run's environment as Prefect's process worker wrote it into the worker's TMPDIR, the
+    # workers' secret included (the worker removes it when the run ends, unless it dies first)
+    tmp = Path(pool["PREFECT_HOME"]) / "run" / "tmp"
+    (workspace,) = [w for w in tmp.glob("prefect-workspace-attempt-*/workspace.json")
+                    if json.loads(w.read_text())["environment"].get("PREFECT__FLOW_RUN_ID") == victim_run]
+    assert json.loads(workspace.read_text())["environment"]["DRAFTER_FANOUT_PLANTED"] == PLANTED
+    os.killpg(worker, signal.SIGKILL)  # the worker first: it cannot clean up after its child
     os.killpg(victim["pgid"], signal.SIGKILL)
-    os.killpg(worker, signal.SIGKILL)
     out, _ = proc.communicate(timeout=450)
     assert proc.returncode == 0 and "Completed" in out, out
     parent = run_id_of(out)
@@ -251,6 +261,9 @@ def test_fanned_out_stages_survive_a_killed_worker_and_equal_one_worker(pool, ti
         drawn = sorted(n["label"].split(" / ")[1].replace(" (attempt 2)", "") for n in inner
                        if n["kind"] == "flow-run" and [e["id"] for e in n["encapsulating"]] == [task_node["id"]])
         assert set(drawn) == {f"{stage} shards 0-2", f"{stage} shards 3-5", f"{stage} shards 6-8"}, inner
+    # the dead worker left the run's environment behind, in the private TMPDIR that
+    # infra/prefect-down.sh removes (checked when this module's stack stops: local_prefect.down)
+    assert workspace.exists() and PLANTED in workspace.read_text()
     # the killed worker is started again for the next tests (same name, same pool)
     restart = subprocess.run([str(ROOT / "infra" / "prefect-up.sh")], env={**pool, "DRAFTER_WORKERS": "3"},
                              capture_output=True, text=True, timeout=300)
