@@ -153,9 +153,10 @@ def bench_run(path: Path, conversations: list[dict], args, storage: str) -> dict
         meta = result.manifest.meta
         t = time.perf_counter()
         out = StageOutput(store, "dump", result.fingerprint)
-        with tempfile.TemporaryDirectory(dir=args.store_dir) as dl:
-            for s in result.manifest.shards:  # every shard reads back with its recorded sha256
-                out.download_shard(s.name, Path(dl) / "x").unlink()
+        if not args.skip_verify:  # outside the timings above
+            with tempfile.TemporaryDirectory(dir=args.store_dir) as dl:
+                for s in result.manifest.shards:  # every shard reads back with its recorded sha256
+                    out.download_shard(s.name, Path(dl) / "x").unlink()
         verify_s = time.perf_counter() - t
     finally:
         remove()
@@ -172,7 +173,8 @@ def bench_run(path: Path, conversations: list[dict], args, storage: str) -> dict
         "end_to_end_vs_forward": round(meta["num_tokens"] / total / forward["forward_tokens_per_s"], 4),
         "bytes_per_token": meta["bytes_per_token"], "payload_bytes_per_token": meta["payload_bytes_per_token"],
         "store_gb_per_s_steady": round(steady * meta["bytes_per_token"] / 1e9, 3) if steady else None,
-        "all_shards_verified_on_read": True, "verify_read_s": round(verify_s, 2),
+        "all_shards_verified_on_read": not args.skip_verify,
+        "verify_read_s": None if args.skip_verify else round(verify_s, 2),
         "projection": meta["storage_projection"],
     }
 
@@ -226,12 +228,30 @@ def machine_baseline(store_dir: str | None) -> dict:
             "sha256_gb_per_s_one_core": round(sha, 3), "cpu_count": os.cpu_count()}
 
 
+def ceiling(row: dict, machine: dict) -> dict:
+    """What the dump could reach: min(forward only, the store's raw write speed / bytes per token),
+    both measured in this run, and the share of it reached end to end and in the steady state."""
+    by_store = machine["write_fsync_gb_per_s"] * 1e9 / row["bytes_per_token"]
+    top = min(row["forward_tokens_per_s"], by_store)
+    steady = row.get("steady_tokens_per_s")
+    return {"ceiling_tokens_per_s": round(top, 1), "ceiling_bound_by": "forward" if top < by_store else "store write",
+            "store_write_tokens_per_s": round(by_store, 1),
+            "end_to_end_share_of_ceiling": round(row["end_to_end_tokens_per_s"] / top, 4),
+            "steady_share_of_ceiling": round(steady / top, 4) if steady else None}
+
+
 def load_conversations(path: Path | None, n: int) -> list[dict]:
     if path is None:
         from drafter.prepare.sources import load_sharegpt
 
         return load_sharegpt(max(n, 1000) + 10)
-    text = path.read_text()
+    if path.name.endswith(".gz"):  # `bench_drafter_quality.py --write-corpus` writes .jsonl.gz
+        import gzip
+
+        text = gzip.decompress(path.read_bytes()).decode("utf-8")
+        path = path.with_suffix("")
+    else:
+        text = path.read_text()
     if path.suffix == ".jsonl":
         return [json.loads(line) for line in text.splitlines() if line.strip()]
     return json.loads(text)
@@ -256,6 +276,8 @@ def main() -> None:
     parser.add_argument("--s3-endpoint", help="dump to this S3 server instead (e.g. a local MinIO or moto)")
     parser.add_argument("--s3-bucket", default="bench-dump")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--skip-verify", action="store_true",
+                        help="skip reading every shard back (sha256) after the timed dump")
     parser.add_argument("--out", type=Path, required=True, help="directory for bench_dump.json")
     args = parser.parse_args()
     if args.threads:
@@ -277,6 +299,7 @@ def main() -> None:
             built_s = round(time.perf_counter() - t, 1)
             for storage in args.storage_dtypes:
                 row = {"target": name, "target_ready_s": built_s, **bench_run(path, conversations, args, storage)}
+                row.update(ceiling(row, results["machine"]))
                 results["runs"].append(row)
                 print(json.dumps(row), flush=True)
                 emit()
