@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 from prefect import Flow, flow
-from prefect.exceptions import FailedRun
 from prefect.artifacts import create_table_artifact
+from prefect.exceptions import FailedRun
 from prefect.logging import get_run_logger
 from prefect.states import Completed, Failed, State
 from prefect.utilities.urls import url_for
