@@ -11,13 +11,13 @@ it is on.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import yaml
 
 from drafter.config import ConfigError, LifecycleConfig, load_config
+from drafter.config.loading import yaml_problem
 
 
 class Refused(Exception):
@@ -44,11 +44,8 @@ def config_or_refuse(profile: str, config: Optional[LifecycleConfig]) -> Lifecyc
     if text is not None:
         try:
             yaml.safe_load(text)
-        except yaml.MarkedYAMLError as err:
-            raise Refused(f"bad profile {where}: {_yaml_problem(err)} (the file's content is not shown)") from None
         except yaml.YAMLError as err:
-            raise Refused(f"bad profile {where}: not valid YAML ({type(err).__name__}; the file's content is not "
-                          f"shown)") from None
+            raise Refused(f"bad profile {where}: {yaml_problem(err)} (the file's content is not shown)") from None
     try:
         return load_config(profile)
     except ConfigError as err:
@@ -60,15 +57,6 @@ def _named(profile: str) -> str:
     if Path(profile).is_absolute():
         return profile
     return f"{profile} (in {os.getcwd()})"
-
-
-def _yaml_problem(err: yaml.MarkedYAMLError) -> str:
-    """Line and column of a YAML error and PyYAML's description of the problem, with anything it
-    quotes from the file (a character, an alias, a tag) left out."""
-    mark = err.problem_mark or err.context_mark
-    at = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
-    problem = re.sub(r"'[^']*'|\"[^\"]*\"", "'...'", err.problem or err.context or "a syntax error")
-    return f"{at}: not valid YAML: {problem}"
 
 
 def _problems(err: ConfigError, text: Optional[str]) -> str:

@@ -2,6 +2,7 @@
 field (pydantic's `loc`); the local paths it needs; back to YAML."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Li
         raise ConfigError([("<file>", f"not UTF-8 text (byte {err.start}: {err.reason}); "
                                       f"is this a YAML profile?")], str(path)) from None
     except yaml.YAMLError as err:
-        raise ConfigError([("<yaml>", " ".join(str(err).split()))], str(path)) from None
+        raise ConfigError([("<yaml>", yaml_problem(err))], str(path)) from None
     except OSError as err:
         raise ConfigError([("<file>", f"cannot read: {err.strerror}")], str(path)) from None
     if not isinstance(data, dict):
@@ -110,6 +111,18 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
+
+
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """Line and column of a YAML error and PyYAML's description of the problem, with anything it
+    quotes from the file (a character, an alias, a tag, the line itself) left out: a profile may
+    hold text that must not reach a log."""
+    if not isinstance(err, yaml.MarkedYAMLError):
+        return f"not valid YAML ({type(err).__name__}; the file's content is not shown)"
+    mark = err.problem_mark or err.context_mark
+    at = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+    problem = re.sub(r"'[^']*'|\"[^\"]*\"", "'...'", err.problem or err.context or "a syntax error")
+    return f"{at}: not valid YAML: {problem}"
 
 
 def config_to_yaml(cfg: LifecycleConfig) -> str:

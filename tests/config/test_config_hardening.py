@@ -135,3 +135,15 @@ def test_a_serve_only_profile_of_a_shallow_target_needs_no_dump_fields(tmp_path,
     assert code == 2 and "aux_layer_ids" not in out and "Traceback" not in out
     assert out.strip().splitlines()[-1].startswith("error (config_error): preflight failed: model path does not exist")
     parse_config({**data, "dump": {"aux_layer_ids": [0, 1, 2]}}).aux_layer_ids()  # set: fine
+
+
+def test_a_yaml_syntax_error_names_line_and_column_and_quotes_nothing_of_the_file(tmp_path):
+    from drafter.config import ConfigError, load_config
+
+    path = tmp_path / "bad.yaml"
+    path.write_text('target:\n  path: x\nserve:\n  secrets: {A: "env:TOK\n  extra_args: ["--api-key", "S3CR3T"]\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    text = str(err.value)
+    assert "line " in text and "column " in text and "not valid YAML" in text
+    assert "S3CR3T" not in text and "api-key" not in text and "env:TOK" not in text
