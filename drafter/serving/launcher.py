@@ -53,7 +53,7 @@ def ensure_log_dir(path: str | os.PathLike) -> Path:
     """The log directory, created owner-only (0700) when missing. An existing one is used as it
     is, a link to it included (`runs/logs` -> a bigger disk is the user's choice): safety in a
     shared directory comes from how each file is created (`create_private`) and read
-    (`ownership.read_pid_file`), not from the directory."""
+    (`procs.read_pid_file`), not from the directory."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     return Path(path)
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-import json
 import os
-import stat
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -81,31 +79,11 @@ def _owner_text(info: Mapping[str, Any]) -> str:
     return f"pid {info.get('launcher_pid')} ({'running' if running else 'gone'})"
 
 
-def read_pid_file(path: str | os.PathLike) -> dict | None:
-    """A pid file's content, or None unless it is a regular file of this user, read without
-    following a link: anyone who can write into a shared log directory could plant the rest.
-    Even then its content is a claim, checked against the kernel before anything is signalled
-    (`verified_leader`)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                return None
-            info = json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
-
-
 def pid_files(log_dir: str | os.PathLike | None, port: int | None = None) -> list[tuple[Path, dict]]:
     """Our pid files in `log_dir` (for `port` only, if given), parsed; unusable ones skipped."""
     out = []
     for path in sorted(Path(log_dir or ".").glob("*.pid.json")):
-        info = read_pid_file(path)
+        info = procs.read_pid_file(path)
         if info is not None and (port is None or info.get("port") == port):
             out.append((path, info))
     return out
@@ -210,7 +188,7 @@ def reap(pid_path: str | os.PathLike, grace_s: float = 10.0, kill_wait_s: float 
     on_cancellation hook, which runs elsewhere). Safe to call twice or on a stale file."""
     t0 = time.monotonic()
     path = Path(pid_path)
-    info = read_pid_file(path)
+    info = procs.read_pid_file(path)
     try:
         pid, port = int(info["pid"]), int(info["port"])
         recorded_pgid, recorded_sid = int(info["pgid"]), int(info["sid"])

@@ -220,20 +220,31 @@ def describe_pid(pid: int) -> str:
     return f"pid {pid} ({name})" if name else f"pid {pid}"
 
 
-def remove_pid_file(path: str | os.PathLike, tag: str | None) -> bool:
-    """Remove a server's pid file only if it still is that server's (a regular file, read without
-    following a link, naming `tag`): a teardown never deletes another server's pid file."""
+def read_pid_file(path: str | os.PathLike) -> dict | None:
+    """A pid file's content, or None unless it is a regular file of this user, read without
+    following a link: anyone who can write into a shared log directory could plant the rest.
+    Even then its content is a claim, checked against the kernel before anything is signalled
+    (drafter.serving.ownership.verified_leader)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return False
+        return None
     try:
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return False
-            if not tag or json.loads(f.read(1 << 20) or b"{}").get("tag") != tag:
-                return False
-    except (OSError, ValueError, AttributeError):
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                return None
+            info = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def remove_pid_file(path: str | os.PathLike, tag: str | None) -> bool:
+    """Remove a server's pid file only if it still is that server's (`read_pid_file` of it names
+    `tag`): a teardown never deletes another server's pid file."""
+    info = read_pid_file(path)
+    if not tag or info is None or info.get("tag") != tag:
         return False
     Path(path).unlink(missing_ok=True)
     return True
