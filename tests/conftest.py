@@ -60,7 +60,9 @@ SLOW_MODULES = {
     # own Prefect test server, the Kubernetes pool template against a real Prefect server.
     "test_e2e_prefect", "test_serve_task", "test_fanout_prefect", "test_k8s_pool",
     # Real server processes on loopback: launch, stall watchdog, teardown, reaping; bench sweeps.
-    "test_launcher", "test_server_lifecycle", "test_bench_sweep", "test_bench_hardening",
+    "test_launcher", "test_server_lifecycle", "test_bench_sweep", "test_bench_hardening", "test_hostile_user",
+    # Two real CLI runs of one datagen / dump output at once (the per-output lock).
+    "test_one_run_per_output",
     # Real multi-process training (torchrun, gloo): DDP/FSDP parity, kill -9 / SIGTERM of `drafter train`.
     "test_training_distributed", "test_train_hardening",
 }
