@@ -17,7 +17,6 @@ from typing import Optional, Sequence, Union
 import yaml
 
 from drafter.config import ConfigError, LifecycleConfig, load_config
-from drafter.config.loading import yaml_problem
 
 
 class Refused(Exception):
@@ -41,11 +40,6 @@ def config_or_refuse(profile: str, config: Optional[LifecycleConfig]) -> Lifecyc
         text = Path(profile).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         text = None  # load_config names what is wrong with the file
-    if text is not None:
-        try:
-            yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise Refused(f"bad profile {where}: {yaml_problem(err)} (the file's content is not shown)") from None
     try:
         return load_config(profile)
     except ConfigError as err:

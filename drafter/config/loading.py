@@ -122,7 +122,7 @@ def yaml_problem(err: yaml.YAMLError) -> str:
     mark = err.problem_mark or err.context_mark
     at = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
     problem = re.sub(r"'[^']*'|\"[^\"]*\"", "'...'", err.problem or err.context or "a syntax error")
-    return f"{at}: not valid YAML: {problem}"
+    return f"{at}: not valid YAML: {problem} (the file's content is not shown)"
 
 
 def config_to_yaml(cfg: LifecycleConfig) -> str:
