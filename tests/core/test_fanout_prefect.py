@@ -204,8 +204,13 @@ def test_fanned_out_stages_survive_a_killed_worker_and_equal_one_worker(pool, ti
     workers = worker_pids(pool)
 
     def victim_on_another_worker():
+        # Only once every range's child beats its lease: none is then between "taken by a worker" and
+        # "started", which on the killed worker would wait out worker_start_timeout_s (900 s) to be lost.
+        beating = leases(store_dir, "datagen")
+        if len(beating) < 3:
+            return None
         runs = flow_run_processes()
-        for lease in (l for l in leases(store_dir, "datagen") if l["beat"] >= 2):
+        for lease in (l for l in beating if l["beat"] >= 2):
             try:
                 tags = api(pool, f"/flow_runs/{run_of(lease['pid'])}")["tags"]
             except (OSError, StopIteration):
@@ -227,8 +232,14 @@ def test_fanned_out_stages_survive_a_killed_worker_and_equal_one_worker(pool, ti
     assert json.loads(workspace.read_text())["environment"]["DRAFTER_FANOUT_PLANTED"] == PLANTED
     os.killpg(worker, signal.SIGKILL)  # the worker first: it cannot clean up after its child
     os.killpg(victim["pgid"], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=450)
-    assert proc.returncode == 0 and "Completed" in out, out
+    out = ""
+    try:
+        out, _ = proc.communicate(timeout=450)
+        assert proc.returncode == 0 and "Completed" in out, out + fan_out_story(pool, run_id_of(out))
+    finally:
+        proc.kill()
+        # the next tests get 3 workers and an idle pool whatever happened here
+        restart_workers_and_cancel(pool, out)
     parent = run_id_of(out)
 
     assert digests(ref_root, "datagen") == digests(f"file://{store_dir}", "datagen")
@@ -264,10 +275,29 @@ def test_fanned_out_stages_survive_a_killed_worker_and_equal_one_worker(pool, ti
     # the dead worker left the run's environment behind, in the private TMPDIR that
     # infra/prefect-down.sh removes (checked when this module's stack stops: local_prefect.down)
     assert workspace.exists() and PLANTED in workspace.read_text()
-    # the killed worker is started again for the next tests (same name, same pool)
-    restart = subprocess.run([str(ROOT / "infra" / "prefect-up.sh")], env={**pool, "DRAFTER_WORKERS": "3"},
+
+
+def restart_workers_and_cancel(env, output: str) -> None:
+    """The killed worker started again (same name, same pool); a parent still running is cancelled."""
+    match = re.search(r"UUID: ([0-9a-f-]{36})", output)
+    if match and api(env, f"/flow_runs/{match.group(1)}")["state_type"] in ("RUNNING", "PENDING", "SCHEDULED"):
+        subprocess.run([PREFECT, "flow-run", "cancel", match.group(1)], env=env, capture_output=True, timeout=60)
+    restart = subprocess.run([str(ROOT / "infra" / "prefect-up.sh")], env={**env, "DRAFTER_WORKERS": "3"},
                              capture_output=True, text=True, timeout=300)
     assert restart.returncode == 0, restart.stdout + restart.stderr
+
+
+def fan_out_story(env, parent: str) -> str:
+    """For a failure message: every child of the run (name, state, message), each stage task's last
+    status line and the tail of each worker's log."""
+    lines = ["", "children:"]
+    lines += [f"  {k['name']}: {k['state_type']} {k['state']['message']!r}" for k in children(env, parent)]
+    lines += ["stage tasks:"] + [f"  {t['name']}: {t['state_type']} {t['state']['message']!r}"
+                                 for t in api(env, "/task_runs/filter", {"limit": 200})
+                                 if t["name"].startswith(("datagen-", "dump-"))]
+    for log in sorted((Path(env["PREFECT_HOME"]) / "run").glob("worker*.log")):
+        lines += [f"{log.name} (tail):"] + ["  " + l for l in log.read_text(errors="replace").splitlines()[-15:]]
+    return "\n".join(lines)
 
 
 def test_a_failed_range_fails_the_run_naming_it_and_a_rerun_runs_only_it(pool, tiny_target, tmp_path):
