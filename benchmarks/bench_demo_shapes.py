@@ -34,7 +34,7 @@ import torch
 
 from drafter.layers import default_aux_layer_ids
 from drafter.model import DraftKVCache, init_random_drafter, load_drafter
-from drafter.serving.speculative import SamplingParams, SpeculativeEngine
+from drafter.engines.reference.speculative import SamplingParams, SpeculativeEngine
 from drafter.target import HFTarget
 
 

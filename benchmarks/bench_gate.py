@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from drafter.serving.engines import LaunchSpec, make_engine
+from drafter.engines import LaunchSpec, make_engine
 from drafter.serving.errors import ServerStalled
 from drafter.serving.gate import wait_until_ready
 from drafter.serving.launcher import ServerProcess, launch

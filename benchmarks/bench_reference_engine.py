@@ -26,7 +26,7 @@ import torch
 
 from drafter.model import init_random_drafter, load_drafter
 from drafter.target import HFTarget
-from drafter.serving.speculative import SamplingParams, SpeculativeEngine
+from drafter.engines.reference.speculative import SamplingParams, SpeculativeEngine
 
 
 def build_models(work: Path) -> dict[str, tuple[Path, Path]]:

@@ -76,7 +76,7 @@ def _sglang_decides(cfg: LifecycleConfig, path: Path) -> str:
     """The installed SGLang (serve.python) resolves every launch of the profile and names the layers it
     captures; a disagreement with our rules is a problem of the profile. Says which source decided."""
     from drafter.serving.errors import ServerConfigError
-    from drafter.serving.sglang_rules import validate_with_sglang
+    from drafter.engines.sglang_rules import validate_with_sglang
 
     try:
         report = validate_with_sglang(cfg)

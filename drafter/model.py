@@ -11,7 +11,7 @@ so a checkpoint saved here loads there key for key (contract section 1):
     h (before `norm`) is the hidden state fed to the next draft step.
 
 At position p the drafter sees the token at p+1 and the target's features at p, and predicts the
-token at p+2: the caller shifts tokens by one (see drafter/serving/speculative.py).
+token at p+2: the caller shifts tokens by one (see drafter/engines/reference/speculative.py).
 
 Pure torch (no transformers import) so training and serving on any device share it.
 """

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from drafter.errors import DrafterError
-from drafter.serving import procs
+from drafter import procs
 
 log = logging.getLogger(__name__)
 

@@ -169,7 +169,7 @@ def deploy(summary: Mapping[str, Any], plan: Any) -> dict[str, Any]:
     """The best setting per batch size (`best_per_batch`) and the engine's own configuration for it
     (`Engine.per_batch_size`), JSON-able. `plan`: the sweep's SweepPlan (its servers' settings and
     drafters)."""
-    from drafter.serving.engines import BatchSetting, make_engine
+    from drafter.engines import BatchSetting, make_engine
 
     choices = best_per_batch(summary, plan.to_dict())
     servers = {s.key: s for s in plan.servers}

@@ -31,8 +31,8 @@ from typing import Any, Sequence
 import httpx
 
 from drafter.errors import DrafterError
-from drafter.serving.client import RETRY_STATUS
-from drafter.serving.engines import Engine, counters_delta, vllm_accept_length
+from drafter.chat_client import RETRY_STATUS
+from drafter.engines import Engine, counters_delta, vllm_accept_length
 
 Prompt = str | list[int]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from drafter.config import LifecycleConfig, SpeculativeConfig
-from drafter.serving.engines import speculative_flags, make_engine
+from drafter.engines import speculative_flags, make_engine
 from drafter.serving.errors import ServerConfigError
 
 BASELINE = "baseline"

@@ -141,7 +141,7 @@ def load_vllm_capture(cfg, dtype: torch.dtype, aux_layer_ids: list[int], work_ro
     """Start the worker and wait until vLLM has loaded the target (its log lines go to `on_line`)."""
     from transformers import AutoTokenizer
 
-    from drafter.serving.layer_check import installed_version, target_architecture
+    from drafter.engines.layer_check import installed_version, target_architecture
 
     t = cfg.target
     shape = t.resolved_shape()

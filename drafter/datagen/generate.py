@@ -18,7 +18,7 @@ from typing import Any, Coroutine, TypeVar
 from drafter.config import LifecycleConfig
 from drafter.formats import DATAGEN as STAGE
 from drafter.formats import error_shard_name, gen_shard_name
-from drafter.serving.client import ChatClient, DatagenServerDown, RequestFailed, ServerPool
+from drafter.chat_client import ChatClient, DatagenServerDown, RequestFailed, ServerPool
 from drafter.serving.session import ServerSession
 from drafter.stage_output import Progress, StageOutput, guarded_progress, to_jsonl
 from drafter.tokenize import TOKEN_IDS, end_of_turn_ids, has_token_ids, retokenize_agreement

@@ -42,7 +42,7 @@ def judge_with_vllm(cfg: LifecycleConfig, vllm_dir: str | Path, prompts: list[li
                     request_timeout_s: float = 600.0) -> dict[str, Any]:
     """Serve `vllm_dir` with real vLLM, generate greedily from `prompts` (token ids), and measure
     acceptance from the counter deltas around exactly these requests (the gate's request excluded)."""
-    from drafter.serving.engines import counters_delta, make_engine
+    from drafter.engines import counters_delta, make_engine
     from drafter.serving.session import ServerSession
 
     jcfg = judge_config(cfg, num_steps)

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import httpx
 
-from drafter.serving.engines import Engine, LaunchSpec
+from drafter.engines import Engine, LaunchSpec
 from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.launcher import ServerProcess
 

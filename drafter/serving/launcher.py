@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from drafter.config import LifecycleConfig
 from drafter.secrets import Redactor, mask_env, redact_argv, redact_obj, secret_values
-from drafter.serving import procs
-from drafter.serving.engines import Engine, LaunchSpec
+from drafter import procs
+from drafter.engines import Engine, LaunchSpec
 from drafter.serving.errors import ServerConfigError, TeardownError
 from drafter.serving.host import gpu_state, port_free
 from drafter.serving.ownership import (TeardownReport, argv_digest, current_owner, pid_file, port_in_use, reap,
@@ -255,7 +255,7 @@ class ServerProcess:
 
     def _start_watchdog(self, grace_s: float = 10.0) -> None:
         """A process outside the server's session that ends the server when this process dies,
-        even by SIGKILL (it reads EOF on a pipe only we hold open; drafter.serving.procs)."""
+        even by SIGKILL (it reads EOF on a pipe only we hold open; drafter.procs)."""
         self._watchdog = procs.Watchdog(self.pgid, self.pgid, self.tag, grace_s, str(self.pid_path))
 
     def _stop_watchdog(self) -> None:

@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
-from drafter.serving import procs
+from drafter import procs
 from drafter.serving.host import wait_gpu_release, wait_port_free
 
 if TYPE_CHECKING:
-    from drafter.serving.engines import LaunchSpec
+    from drafter.engines import LaunchSpec
 
 
 def pid_file(log_path: str | os.PathLike) -> Path:

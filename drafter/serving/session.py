@@ -26,13 +26,13 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from drafter.config import LifecycleConfig
 from drafter.secrets import Redactor, expand_placeholders, redact_obj, resolve_all, secret_looking_env
-from drafter.serving.engines import check_speculative_settings, engine_python, make_engine
+from drafter.engines import check_speculative_settings, engine_python, make_engine
 from drafter.serving.errors import ServerConfigError, ServerStartError, TeardownError
 from drafter.serving.gate import wait_until_ready
 from drafter.serving.launcher import OnLine, ServerProcess, launch_file, preflight
-from drafter.serving.layer_check import check_draft_layer_ids
+from drafter.engines.layer_check import check_draft_layer_ids
 from drafter.serving.ownership import TeardownReport, reap_stale
-from drafter.serving.sglang_rules import preflight_with_sglang
+from drafter.engines.sglang_rules import preflight_with_sglang
 
 log = logging.getLogger("drafter.serving")
 
@@ -129,7 +129,7 @@ class ServerSession:
         self.base_url: str | None = None
         self.notes: list[str] = []
         self.layer_ids: dict[str, Any] = {}   # what the layer-id check saw (engine version, ids, rule)
-        self.sglang_rules: dict[str, Any] = {}  # sglang: who decided how it reads our flags (drafter.serving.sglang_rules)
+        self.sglang_rules: dict[str, Any] = {}  # sglang: who decided how it reads our flags (drafter.engines.sglang_rules)
         self.process: ServerProcess | None = None
         self.teardown: TeardownReport | None = None
         self.redact = Redactor()  # the resolved secrets' values, once resolved: for our messages

@@ -10,7 +10,7 @@ Checkpoints go to the store while training (`train.save_every_steps`, SIGTERM): 
 cancelled run resumes exactly where it stopped, because the checkpoints are keyed by this stage's
 fingerprint. With `train.nproc_per_node > 1` the stage launches torchrun itself (this module is the
 per-rank entry point) with the launch environment from the configuration, in its own session with a
-watchdog (drafter.serving.procs): torchrun and its ranks end when this process dies, even by kill -9.
+watchdog (drafter.procs): torchrun and its ranks end when this process dies, even by kill -9.
 SIGTERM is handed on to them (they checkpoint) and ends the stage as TrainingInterrupted (exit 143).
 One run per output at a time (drafter.training.workdir): a second is refused by name, and a re-run
 removes the temp dirs of dead runs.
@@ -35,7 +35,7 @@ from drafter.config import LifecycleConfig, fingerprint_fields, parse_config
 from drafter.formats import DUMP, TRAIN_CURVES, TRAIN_METRICS, TRAINED_DRAFTER_FILES, download_export
 from drafter.formats import TRAIN as STAGE
 from drafter.retrain.registry import CHAMPION
-from drafter.serving import procs
+from drafter import procs
 from drafter.serving.launch_env import launch_overrides
 from drafter.stage_output import Progress, StageOutput
 from drafter.stage_output import fingerprint as stage_fingerprint

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from drafter import workdirs
-from drafter.serving import procs
+from drafter import procs
 from drafter.training.errors import TrainingError
 
 log = logging.getLogger(__name__)

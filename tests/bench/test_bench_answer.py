@@ -13,7 +13,7 @@ from drafter.bench.plan import BASELINE, plan_sweep
 from drafter.bench.report import table_rows
 from drafter.bench.stats import summarize
 from drafter.config import SpeculativeConfig, parse_config
-from drafter.serving.engines import BatchSetting, make_engine
+from drafter.engines import BatchSetting, make_engine
 
 S314 = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
 S112 = {"num_steps": 1, "eagle_topk": 1, "num_draft_tokens": 2}

@@ -138,7 +138,7 @@ def _fake_python(tmp_path, version: str) -> str:
 
 def test_serve_uses_the_installed_version_and_refuses_ids_it_would_read_one_layer_off(tmp_path):
     from drafter.serving.errors import ServerConfigError
-    from drafter.serving.layer_check import check_draft_layer_ids
+    from drafter.engines.layer_check import check_draft_layer_ids
 
     target = _target(tmp_path, "KimiK25ForConditionalGeneration")
     good = _draft(tmp_path, [3, 31, 59], [2, 30, 58], version="0.5.23")
@@ -156,7 +156,7 @@ def test_serve_uses_the_installed_version_and_refuses_ids_it_would_read_one_laye
 def test_serve_without_the_engine_importable_says_which_version_it_assumed(tmp_path):
     import sys
 
-    from drafter.serving.layer_check import check_draft_layer_ids
+    from drafter.engines.layer_check import check_draft_layer_ids
 
     target = _target(tmp_path, "LlamaForCausalLM")
     draft = _draft(tmp_path, [1, 15, 28], [1, 15, 28], version="0.5.23")
@@ -172,7 +172,7 @@ def test_the_reference_engine_refuses_ids_it_would_read_wrong(tmp_path):
     import sys
 
     from drafter.serving.errors import ServerConfigError
-    from drafter.serving.layer_check import check_draft_layer_ids
+    from drafter.engines.layer_check import check_draft_layer_ids
 
     target = tmp_path / "target"
     target.mkdir()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from drafter.serving import procs
+from drafter import procs
 from drafter.workdirs import remove_dead_runs_dirs, scratch_dir
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from drafter.config import ConfigError, LifecycleConfig, ServeConfig, StorageConfig, TargetConfig, parse_config
 from drafter.formats import iter_generations
-from drafter.serving.client import DatagenServerDown
+from drafter.chat_client import DatagenServerDown
 from drafter.stages import TABLE, datagen, prepare
 from drafter.store import open_store
 from tests.fixtures.datagen_fakes import (FakeOpenAI, datagen_output, fakes, last_user, make_cfg,  # noqa: F401

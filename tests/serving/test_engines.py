@@ -11,7 +11,7 @@ import pytest
 
 from drafter.config import SpeculativeConfig, parse_config
 from drafter.errors import is_retryable
-from drafter.serving.engines import (
+from drafter.engines import (
     check_speculative_settings, counters_delta, make_engine, parse_prometheus, sglang_accept_length,
     sglang_avg_accept_length, sglang_settings_from_info, vllm_accept_length, vllm_settings_from_log,
     vllm_spec_counters)
@@ -124,7 +124,7 @@ def test_reference_command_line_with_faults(tmp_path):
     spec = make_engine("reference").build_launch(cfg, "/drafters/d", tmp_path,
                                                  faults=["hang:load_weights", "crash:kv_cache"])
     argv = spec.argv
-    assert argv[:3] == [sys.executable, "-m", "drafter.serving.reference_server"]
+    assert argv[:3] == [sys.executable, "-m", "drafter.engines.reference.reference_server"]
     assert flag(argv, "--model-path") == "/models/llama"
     assert flag(argv, "--served-model-name") == "llama"
     assert flag(argv, "--device") == "cpu" and flag(argv, "--dtype") == "auto"

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from drafter.serving import procs
+from drafter import procs
 from drafter.serving.check import check_server
 from drafter.serving.errors import ServerConfigError
 from drafter.serving.launcher import launch, launch_file

@@ -21,7 +21,7 @@ import pytest
 
 from drafter.config import parse_config
 from drafter.serving.check import check_server, serve_forever
-from drafter.serving.engines import check_speculative_settings
+from drafter.engines import check_speculative_settings
 from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.host import parse_compute_apps, port_free
 from drafter.serving.launcher import ServerProcess, launch, preflight
@@ -179,7 +179,7 @@ def test_keyboard_interrupt_inside_with_tears_down(tmp_path):
 
 LEFT_BEHIND = r"""
 import json, os, sys, time
-from drafter.serving.engines import LaunchSpec, make_engine
+from drafter.engines import LaunchSpec, make_engine
 from drafter.serving.launcher import launch
 spec = LaunchSpec(**json.loads(sys.argv[1]))
 spec.env = dict(os.environ)
@@ -415,12 +415,12 @@ def test_check_server_config_error_is_not_retryable(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The reference server (drafter/serving/reference_server.py) on the tiny target
+# The reference server (drafter/engines/reference/reference_server.py) on the tiny target
 # ---------------------------------------------------------------------------------------------
 
 def _tiny_target_path(request) -> str:
-    if importlib.util.find_spec("drafter.serving.reference_server") is None:
-        pytest.skip("drafter/serving/reference_server.py not there yet")
+    if importlib.util.find_spec("drafter.engines.reference.reference_server") is None:
+        pytest.skip("drafter/engines/reference/reference_server.py not there yet")
     pytest.importorskip("torch")
     try:
         target = request.getfixturevalue("tiny_target")

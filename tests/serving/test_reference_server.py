@@ -30,7 +30,7 @@ class ServerProcess:
     def __init__(self, model: Path, *extra: str, draft: Path | None = None, steps: int = 3):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "drafter.serving.reference_server", "--model-path", str(model),
+        argv = [sys.executable, "-m", "drafter.engines.reference.reference_server", "--model-path", str(model),
                 "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
                 "--device", "cpu", "--cpu-threads", "1", *extra]
         if draft is not None:
@@ -148,7 +148,7 @@ def _generate(url: str, prompt: list[int], max_new: int = 20, **params) -> dict:
 def test_bad_speculative_flags_exit_2(tmp_path, flags, words):
     spec = {"--speculative-num-steps": "3", "--speculative-eagle-topk": "1", "--speculative-num-draft-tokens": "4"}
     spec.update(dict(zip(flags[::2], flags[1::2])))
-    argv = [sys.executable, "-m", "drafter.serving.reference_server", "--model-path", str(tmp_path),
+    argv = [sys.executable, "-m", "drafter.engines.reference.reference_server", "--model-path", str(tmp_path),
             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(tmp_path)]
     for key, value in spec.items():
         argv += [key, value]
@@ -157,7 +157,7 @@ def test_bad_speculative_flags_exit_2(tmp_path, flags, words):
 
 
 def test_bad_fault_and_partial_speculative_flags_exit_2(tmp_path):
-    base = [sys.executable, "-m", "drafter.serving.reference_server", "--model-path", str(tmp_path)]
+    base = [sys.executable, "-m", "drafter.engines.reference.reference_server", "--model-path", str(tmp_path)]
     done = subprocess.run(base + ["--fault", "hang:graph_capture"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and "phases: load_weights, kv_cache, warmup" in done.stderr
     done = subprocess.run(base + ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x",
@@ -353,7 +353,7 @@ def test_crash_logs_a_traceback_and_exits_1(servers, name, after):
 
 def test_unloadable_model_says_initialization_failed(tmp_path, capsys):
     """In-process (a new interpreter costs seconds): main() returns 1 with SGLang's fatal lines."""
-    from drafter.serving import reference_server
+    from drafter.engines.reference import reference_server
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -385,7 +385,7 @@ def test_health_generate_answers_503_at_once_when_generation_fails():
 
     from fastapi.testclient import TestClient
 
-    from drafter.serving.reference_server import Faults, ServerState, build_app
+    from drafter.engines.reference.reference_server import Faults, ServerState, build_app
 
     class FailingEngine:
         drafter = None

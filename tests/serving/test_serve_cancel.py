@@ -119,7 +119,7 @@ def test_sigterm_becomes_an_interrupt_only_where_nothing_else_handles_it():
 
 LAUNCHER = """
 import subprocess, sys, time
-from drafter.serving import procs
+from drafter import procs
 server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
 procs.Watchdog(server.pid, server.pid, "no-tag", grace_s=1.0)
 print(server.pid, flush=True)

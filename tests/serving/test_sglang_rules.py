@@ -1,6 +1,6 @@
 """Our SGLang rules against SGLang 0.5.23's own code (the lite venv `make sglang-env` builds).
 
-One probe process answers the whole module (drafter/serving/sglang_probe.py, ~10-20 s on 2 cores):
+One probe process answers the whole module (drafter/engines/sglang_probe.py, ~10-20 s on 2 cores):
 - argument resolution (`prepare_server_args` + `resolve_once` + `check_server_args`) of the argv our
   `sglang` engine builds, for every speculative setting our config accepts in a grid, SGLang's own
   numbers per architecture, and each kind of setting we refuse (built by hand: our config cannot);
@@ -19,10 +19,10 @@ from pydantic import ValidationError
 
 from drafter.config import SpeculativeConfig, parse_config
 from drafter.layers import UnknownLayerIdRule, engine_layer_ids
-from drafter.serving import sglang_rules
-from drafter.serving.engines import make_engine
+from drafter.engines import sglang_rules
+from drafter.engines import make_engine
 from drafter.serving.errors import ServerConfigError
-from drafter.serving.sglang_rules import (RESOLVED_FIELDS, _launch_arguments, ask_sglang, check_with_sglang, layer_problems,
+from drafter.engines.sglang_rules import (RESOLVED_FIELDS, _launch_arguments, ask_sglang, check_with_sglang, layer_problems,
                                           predict_resolution, resolution_problems)
 from tests.fixtures.sglang_env import SGLANG_VERSION, sglang_env, sglang_py  # noqa: F401  (fixture)
 

@@ -14,7 +14,7 @@ Cost here (2 cores, shared): the module ~3.5 min in all (3 min 37 s measured, lo
 other work): the served launch ~50 s with the session-scoped tiny target (~10 s), datagen + dump
 ~15 s, the serving crash ~6 s, the stall ~45 s, the start-up crash ~35 s, the EAGLE-3 launch ~55 s.
 Every launch includes ~12 s of the serve preflight asking SGLang's own interpreter how it resolves
-the argv (drafter.serving.sglang_rules). Each SGLang process takes ~1.3 GB of RAM; the KV cache is
+the argv (drafter.engines.sglang_rules). Each SGLang process takes ~1.3 GB of RAM; the KV cache is
 kept at 4096 tokens (`--max-total-tokens`; SGLang otherwise sizes it from free RAM).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pytest
 
 from drafter.config import parse_config
 from drafter.errors import is_retryable
-from drafter.serving.engines import (SGLANG_PHASES, SGLangEngine, check_speculative_settings,
+from drafter.engines import (SGLANG_PHASES, SGLangEngine, check_speculative_settings,
                                      sglang_settings_from_info)
 from drafter.serving.errors import ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.ownership import group_members

@@ -10,7 +10,7 @@ import torch
 
 from drafter.model import DraftKVCache, init_random_drafter, load_drafter
 from drafter.target import HFTarget
-from drafter.serving.speculative import ForcedAccepts, SamplingParams, SpeculativeEngine, accept_drafts
+from drafter.engines.reference.speculative import ForcedAccepts, SamplingParams, SpeculativeEngine, accept_drafts
 from tests.fixtures.speculative import EOS, build_random_target, successor_pair  # noqa: F401 (fixture)
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from drafter.config import parse_config
 from drafter.errors import is_retryable
-from drafter.serving.engines import check_speculative_settings, counters_delta, make_engine
+from drafter.engines import check_speculative_settings, counters_delta, make_engine
 from drafter.serving.errors import ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.ownership import group_members
 from drafter.serving.session import ServerSession
@@ -119,7 +119,7 @@ def test_chat_answers_carry_vllms_own_token_ids_through_our_client(server, expor
 
     from transformers import AutoTokenizer
 
-    from drafter.serving.client import ChatClient, ServerPool
+    from drafter.chat_client import ChatClient, ServerPool
     from tests.fixtures.speculative import EOS, succ_map
 
     cfg, _, served = server

@@ -5,7 +5,7 @@ configuration errors, corrupted objects and missing upstream outputs never."""
 import pytest
 
 from drafter.config import ConfigError
-from drafter.serving.client import DatagenServerDown
+from drafter.chat_client import DatagenServerDown
 from drafter.serving.errors import ServerConfigError, ServerStalled
 from drafter.stage_output import ManifestError
 from drafter.store import CorruptObject, ObjectNotFound, StoreError

@@ -24,7 +24,7 @@ import pytest
 
 from drafter.config import config_to_yaml
 from drafter.errors import DrafterError
-from drafter.serving import procs
+from drafter import procs
 from drafter.stages import TABLE, train
 from drafter.store import FileStore
 from drafter.target_identity import target_fingerprint

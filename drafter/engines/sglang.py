@@ -8,10 +8,10 @@ from typing import Any, Mapping
 
 import httpx
 
-from drafter.serving.engines.base import (ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle, Phase, _forced,
+from drafter.engines.base import (ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle, Phase, _forced,
                                           _no_faults, _option_flags, _rx, _with_forced, engine_python,
                                           speculative_flags)
-from drafter.serving.metrics import sglang_accept_length, sglang_avg_accept_length
+from drafter.engines.metrics import sglang_accept_length, sglang_avg_accept_length
 
 # ServeConfig field -> engine flag (see _option_flags; vllm.VLLM_OPTION_FLAGS is the same table for vLLM).
 SGLANG_OPTION_FLAGS = {

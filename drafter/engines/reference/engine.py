@@ -1,16 +1,16 @@
-"""Our reference engine (drafter/serving/reference_server.py) as a launched server: its command line.
+"""Our reference engine (drafter/engines/reference/reference_server.py) as a launched server: its command line.
 It speaks SGLang's flags, start-up lines and endpoints, so everything else is SGLang's."""
 from __future__ import annotations
 
 import sys
 
-from drafter.serving.engines.base import ForcedAcceptance, _forced, _with_forced, speculative_flags
-from drafter.serving.engines.sglang import SGLangEngine
+from drafter.engines.base import ForcedAcceptance, _forced, _with_forced, speculative_flags
+from drafter.engines.sglang import SGLangEngine
 from drafter.serving.errors import ServerConfigError
 
 
 class ReferenceEngine(SGLangEngine):
-    """Our Hugging Face based server (drafter/serving/reference_server.py): SGLang flags,
+    """Our Hugging Face based server (drafter/engines/reference/reference_server.py): SGLang flags,
     SGLang start-up lines and SGLang-compatible endpoints, so it shares the SGLang readers."""
 
     name = "reference"
@@ -23,7 +23,7 @@ class ReferenceEngine(SGLangEngine):
         if s.tp_size != 1:
             raise ServerConfigError(f"the reference engine runs on one device; serve.tp_size={s.tp_size} "
                                     f"cannot be honoured")
-        argv = [sys.executable, "-m", "drafter.serving.reference_server",
+        argv = [sys.executable, "-m", "drafter.engines.reference.reference_server",
                 "--model-path", t.path, "--host", s.host, "--port", str(s.port),
                 "--served-model-name", t.served_name, "--device", s.device, "--dtype", t.dtype]
         argv += speculative_flags(s.speculative, draft_path)
@@ -35,4 +35,4 @@ class ReferenceEngine(SGLangEngine):
     def forced_acceptance(self, accept_length, num_steps):
         # reference_server.py --simulate-accept-length -> speculative.py ForcedAccepts
         return ForcedAcceptance(accept_length, args=("--simulate-accept-length", str(float(accept_length))),
-                                source="drafter/serving/reference_server.py --simulate-accept-length")
+                                source="drafter/engines/reference/reference_server.py --simulate-accept-length")

@@ -6,9 +6,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from drafter.serving.engines.base import (Engine, GenerateStyle, LaunchSpec, Phase, _forced, _launch_env, _no_faults,
+from drafter.engines.base import (Engine, GenerateStyle, LaunchSpec, Phase, _forced, _launch_env, _no_faults,
                                           _probe_host, _rx, keep_secret_placeholders)
-from drafter.serving.engines.sglang import sglang_server_info, sglang_settings_from_info
+from drafter.engines.sglang import sglang_server_info, sglang_settings_from_info
 from drafter.serving.errors import ServerConfigError
 
 GENERIC_PHASES: tuple[Phase, ...] = (

@@ -1,7 +1,7 @@
 """Our reference inference server: a Hugging Face target with EAGLE-3 speculative decoding
 behind SGLang-compatible flags, start-up log lines and endpoints (contract sections 3-5).
 
-    python -m drafter.serving.reference_server --model-path DIR --host H --port P \
+    python -m drafter.engines.reference.reference_server --model-path DIR --host H --port P \
         [--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR \
          --speculative-num-steps S --speculative-eagle-topk 1 --speculative-num-draft-tokens S+1 \
          [--simulate-accept-length A]] \
@@ -15,7 +15,7 @@ ids in vLLM's fields (`choices[0].token_ids`, `prompt_token_ids`), so one client
 
 `--simulate-accept-length A` (the bench's accept-length curve, SGLang's SGLANG_SIMULATE_ACC_LEN in
 spirit): every verify accepts A - 1 drafts on average instead of the ones the target agrees with
-(drafter.serving.speculative.ForcedAccepts), so cycles cost what real ones with accept length A
+(drafter.engines.reference.speculative.ForcedAccepts), so cycles cost what real ones with accept length A
 cost; the output is not the target's. Reported as `simulate_accept_length` in /get_server_info.
 
 Faults (tests of the readiness gate; all off by default) act at the start of a phase:
@@ -26,7 +26,7 @@ Faults (tests of the readiness gate; all off by default) act at the start of a p
   never-healthy       HTTP up, /health stays 503, no more log lines
 
 The HTTP side (endpoints, request parsing, `ServerState`, `build_app`) is
-drafter.serving.reference_http; this module is the command line, the faults, loading and start-up.
+drafter.engines.reference.reference_http; this module is the command line, the faults, loading and start-up.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from drafter.serving.reference_http import WARMUP_TEXT, ServerState, build_app, encode, layer_id_convention
+from drafter.engines.reference.reference_http import WARMUP_TEXT, ServerState, build_app, encode, layer_id_convention
 
 PHASES = ("load_weights", "kv_cache", "warmup")
 GB = 1 << 30
@@ -109,7 +109,7 @@ def _flush_and_exit(code: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m drafter.serving.reference_server",
+    p = argparse.ArgumentParser(prog="python -m drafter.engines.reference.reference_server",
                                 description="Reference HF server with EAGLE-3 speculative decoding")
     p.add_argument("--model-path", required=True)
     p.add_argument("--tokenizer-path", default=None)
@@ -235,7 +235,7 @@ def load_engine(args: argparse.Namespace):
         drafter = load_drafter(args.speculative_draft_model_path, device=device, dtype=target.dtype)
         _log_load_end(device, start, before, ARCHITECTURE, target.dtype)
 
-    from drafter.serving.speculative import SpeculativeEngine
+    from drafter.engines.reference.speculative import SpeculativeEngine
 
     faults.at("kv_cache")
     engine = SpeculativeEngine(target, drafter, args.speculative_num_steps or 0,
@@ -268,7 +268,7 @@ def warmup(state: ServerState, server) -> None:
         return  # HTTP up, /health stays 503, nothing more in the log
     with state.engine_lock:  # a slow or hung warmup occupies the engine, as a real one would
         state.faults.at("warmup")
-    from drafter.serving.speculative import SamplingParams
+    from drafter.engines.reference.speculative import SamplingParams
 
     try:
         result, _ = state.generate(encode(state, WARMUP_TEXT), SamplingParams(max_new_tokens=8, temperature=0.0),

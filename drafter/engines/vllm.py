@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 
 from drafter.config import SpeculativeConfig
-from drafter.serving.engines.base import (BatchSetting, ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle,
+from drafter.engines.base import (BatchSetting, ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle,
                                           PerBatchConfig, Phase, _forced, _no_faults, _option_flags, _rx, _speculates,
                                           engine_python)
 from drafter.serving.errors import ServerConfigError
-from drafter.serving.metrics import counters_delta, vllm_accept_length, vllm_spec_counters
+from drafter.engines.metrics import counters_delta, vllm_accept_length, vllm_spec_counters
 
 # ServeConfig field -> engine flag (see _option_flags; sglang.SGLANG_OPTION_FLAGS is the same table for SGLang).
 VLLM_OPTION_FLAGS = {

@@ -13,7 +13,7 @@ Two failure scopes:
   or a request that used up its retries on a server that fails the probe as well. The probe keeps a
   server outage at low concurrency from being recorded as bad samples.
 
-Every request asks for the generated token ids (drafter.serving.engines.TOKEN_IDS_REQUEST);
+Every request asks for the generated token ids (drafter.engines.TOKEN_IDS_REQUEST);
 `ChatAnswer.token_ids` holds them as the engine returned them, or None from a server that
 returns none.
 """
@@ -30,7 +30,7 @@ import httpx
 
 from drafter.backoff import backoff_delay
 from drafter.errors import DrafterError
-from drafter.serving.engines import TOKEN_IDS_REQUEST, answer_token_ids
+from drafter.engines.answers import TOKEN_IDS_REQUEST, answer_token_ids
 
 RETRY_STATUS = frozenset({408, 429})  # plus every 5xx
 PROBE_MESSAGES = [{"role": "user", "content": "Hello"}]

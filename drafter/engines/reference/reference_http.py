@@ -2,7 +2,7 @@
 readiness, cumulative speculative stats), reading a request (SGLang sampling params, OpenAI
 parameters, chat templates), describing a generation the SGLang way (meta_info), and the FastAPI
 app with SGLang's and OpenAI's endpoints (`build_app`). Loading, start-up and the command line are
-drafter.serving.reference_server's."""
+drafter.engines.reference.reference_server's."""
 from __future__ import annotations
 
 import argparse
@@ -113,7 +113,7 @@ _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penal
 
 
 def sampling_params(raw: dict[str, Any] | None, default_max: int):
-    from drafter.serving.speculative import SamplingParams
+    from drafter.engines.reference.speculative import SamplingParams
 
     raw = dict(raw or {})
     for key, neutral in _NEUTRAL.items():
@@ -278,7 +278,7 @@ def _add_health_routes(app, state: ServerState) -> None:
             return Response(status_code=503)
         if state.faults.refuse_generation:
             return Response(status_code=503)
-        from drafter.serving.speculative import SamplingParams
+        from drafter.engines.reference.speculative import SamplingParams
 
         done, ok = threading.Event(), []
 
@@ -396,7 +396,7 @@ def _add_openai_routes(app, state: ServerState) -> None:
                       "created": int(time.time()), "model": state.served_name, "choices": [choice],
                       "usage": _usage([meta])}
             if body.get("return_token_ids"):
-                # vLLM's fields and shape (drafter.serving.engines.answer_token_ids): the generated
+                # vLLM's fields and shape (drafter.engines.answer_token_ids): the generated
                 # ids as sampled, the stop token included, and the prompt the template gave.
                 choice["token_ids"] = list(ids)
                 answer["prompt_token_ids"] = prompt_ids

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 from drafter.config import ConfigError, SpeculativeConfig
 from drafter.layers import READ_VERSIONS, UnknownLayerIdRule, engine_layer_ids
 from drafter.serving.errors import ServerConfigError
-from drafter.serving.layer_check import installed_version, target_architecture
+from drafter.engines.layer_check import installed_version, target_architecture
 
 PROBE = Path(__file__).with_name("sglang_probe.py")
 
@@ -190,7 +190,7 @@ def _not_asked(why: str) -> dict[str, Any]:
 def preflight_with_sglang(cfg, argv: Sequence[str], env: Mapping[str, str], python: str,
                           layer_ids: Mapping[str, Any], *, speculating: bool) -> dict[str, Any]:
     """The serve preflight: SGLang resolves the exact launch argv, and captures the layers the draft's
-    ids name (`layer_ids`: what drafter.serving.layer_check found in the export)."""
+    ids name (`layer_ids`: what drafter.engines.layer_check found in the export)."""
     target = _local_target(cfg)
     if target is None:
         return _not_asked(f"target {cfg.target.path} is not a local directory")
@@ -205,7 +205,7 @@ def preflight_with_sglang(cfg, argv: Sequence[str], env: Mapping[str, str], pyth
 def validate_with_sglang(cfg) -> dict[str, Any]:
     """`config validate`: every launch the profile can make (serve, each bench setting, the bench
     baseline) resolved by the installed SGLang, and the layers the export's ids will capture."""
-    from drafter.serving.engines import _launch_env, engine_python, make_engine
+    from drafter.engines import _launch_env, engine_python, make_engine
 
     python = engine_python(cfg)
     target = _local_target(cfg)
@@ -228,7 +228,7 @@ def validate_with_sglang(cfg) -> dict[str, Any]:
         ours = cfg.aux_layer_ids() if num_layers else None
     except ConfigError:
         # a serve-only profile of a shallow target has no default ids: the draft's own are
-        # checked at launch (drafter.serving.layer_check), so nothing is resolved here
+        # checked at launch (drafter.engines.layer_check), so nothing is resolved here
         ours = None
     if ours is not None:
         try:

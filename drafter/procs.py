@@ -1,7 +1,7 @@
 """The processes of a server (or of torchrun and its ranks): find them, signal them, and end them
 when their launcher dies.
 
-Standard library only: the watchdog (`python -m drafter.serving.procs watch ...`) runs this module
+Standard library only: the watchdog (`python -m drafter.procs watch ...`) runs this module
 alone, so it starts in a few milliseconds and never imports the project's heavy dependencies.
 
 A server's processes are its process group, its session, and every process whose environment
@@ -291,7 +291,7 @@ class Watchdog:
             # The tag goes in its environment (owner-only), never its command line (world-readable
             # in /proc): the tag is what proves a process is our server (ownership.reap).
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "drafter.serving.procs", "watch", str(read_fd), str(pgid),
+                [sys.executable, "-m", "drafter.procs", "watch", str(read_fd), str(pgid),
                  str(sid), str(grace_s), pid_file],
                 pass_fds=(read_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 env={**os.environ, _WATCH_TAG_VAR: tag},
@@ -327,7 +327,7 @@ class Watchdog:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 6 or argv[0] != "watch":
-        print("usage: DRAFTER_WATCH_TAG=TAG python -m drafter.serving.procs watch FD PGID SID GRACE_S PID_FILE "
+        print("usage: DRAFTER_WATCH_TAG=TAG python -m drafter.procs watch FD PGID SID GRACE_S PID_FILE "
               "(PID_FILE '': none)", file=sys.stderr)
         return 2
     _, fd, pgid, sid, grace, pid_file = argv
