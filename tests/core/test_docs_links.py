@@ -1,0 +1,116 @@
+"""Every relative link and #anchor in the README, the docs/ pages and benchmarks/RESULTS.md resolves.
+
+Links are read from the real files (outside code blocks and code spans): a target must exist
+relative to the page that links it, and an anchor must be a heading of the page it names, by
+GitHub's rule (lowercase; punctuation other than `-` and `_` dropped; each space a hyphen; a repeated
+heading gets -1, -2, ...). The README links every docs page, so a newcomer can reach each one.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = sorted({ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md", *(ROOT / "docs").glob("*.md")})
+
+FENCE = re.compile(r"^\s*(```|~~~)")
+CODE_SPAN = re.compile(r"(`+)(?:.+?)\1")
+# [text](target) and ![alt](target); the text may hold one level of brackets (an image in a link).
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks."""
+    out, fenced = [], False
+    for i, line in enumerate(text.split("\n"), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append((i, line))
+    return out
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading's text."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text stays, its target goes
+    text = re.sub(r"<[^>]+>", "", text).strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)  # \w keeps letters, digits and _
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for _, line in prose_lines(page.read_text()):
+        m = HEADING.match(line)
+        if not m:
+            continue
+        base = slug(m.group(2))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(page: Path) -> list[tuple[int, str]]:
+    out = []
+    for i, line in prose_lines(page.read_text()):
+        for m in LINK.finditer(CODE_SPAN.sub("", line)):
+            out.append((i, m.group(1)))
+    return out
+
+
+def broken(page: Path) -> list[str]:
+    problems = []
+    for line, target in links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto: ...
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        where = f"{page.relative_to(ROOT)}:{line}: ({target})"
+        if not dest.exists():
+            problems.append(f"{where}: {path} does not exist")
+        elif anchor:
+            if dest.suffix != ".md":
+                problems.append(f"{where}: an anchor into a file that is not markdown")
+            elif anchor not in anchors(dest):
+                problems.append(f"{where}: no heading of {dest.relative_to(ROOT)} has the anchor #{anchor}")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_anchor_resolves(page):
+    assert page.exists(), page
+    assert broken(page) == []
+
+
+def test_the_readme_links_every_docs_page():
+    linked = {(ROOT / t.partition("#")[0]).resolve() for _, t in links(ROOT / "README.md") if t.startswith("docs/")}
+    pages = {p.resolve() for p in (ROOT / "docs").glob("*.md")}
+    assert pages, "docs/ holds no pages"
+    assert pages - linked == set(), f"docs pages the README does not link: {sorted(pages - linked)}"
+
+
+def test_the_checker_finds_what_is_broken(tmp_path, monkeypatch):
+    """The checker itself fails on a missing file and on a missing anchor, and reads GitHub's slugs."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text(
+        "# Retraining: new data in, a better champion out\n\n## The report, as `make demo` drew it\n"
+        "## Notes\n## Notes\n")
+    page = tmp_path / "README.md"
+    page.write_text(
+        "[ok](docs/a.md#retraining-new-data-in-a-better-champion-out) [ok](docs/a.md#the-report-as-make-demo-drew-it)\n"
+        "[ok](docs/a.md#notes-1) [web](https://example.com/x#y) `[code](nope.md)`\n"
+        "```\n[fenced](nope.md)\n```\n"
+        "[gone](docs/b.md) [bad anchor](docs/a.md#notes-2) [self](#nothing-here)\n")
+    assert [p.split(": ", 1)[1] for p in broken(page)] == [
+        "(docs/b.md): docs/b.md does not exist",
+        "(docs/a.md#notes-2): no heading of docs/a.md has the anchor #notes-2",
+        "(#nothing-here): no heading of README.md has the anchor #nothing-here",
+    ]
