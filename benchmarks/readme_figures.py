@@ -1,5 +1,6 @@
-"""The README's report figures, taken from a real run: the bench stage's plot and table and the train
-stage's curves of a profile's committed outputs (after `make demo`), copied into docs/.
+"""The demo run's report figures (docs/demo-run.md), taken from a real run: the bench stage's plot
+and table and the train stage's curves of a profile's committed outputs (after `make demo`), copied
+into docs/.
 
     .venv/bin/python benchmarks/readme_figures.py --config profiles/demo.yaml --out docs/demo
 

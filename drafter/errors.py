@@ -5,7 +5,7 @@ attempt of the same work can succeed (transient storage or network trouble, a se
 stalled or never turned healthy, a server that went down mid-run) or never will (configuration,
 integrity, a missing upstream output). The Prefect tasks ask exactly this, in one predicate
 (`tasks/common.py`), and the CLI prints any `DrafterError` as one clean line (`describe`) with
-the exit code `exit_code` gives (documented in the README):
+the exit code `exit_code` gives (documented in docs/operations.md, Exit codes):
 
     2  configuration or usage error (fix the profile or the command line)
     3  expected failure that a retry may fix (storage, network, a server start)

@@ -66,9 +66,9 @@ def check_server(cfg: LifecycleConfig, draft_path: str | None = None, faults: Se
 
 
 def check_exit_code(report: Mapping[str, Any]) -> int:
-    """The exit code of `drafter serve --check` (README, exit codes): 0 ready; 2 a configuration error
-    (bad settings, a missing model or drafter, a taken port: retrying cannot help); 3 a start a retry
-    may fix (crashed, stalled, health check timed out); 4 any other failure."""
+    """The exit code of `drafter serve --check` (docs/operations.md, Exit codes): 0 ready; 2 a
+    configuration error (bad settings, a missing model or drafter, a taken port: retrying cannot help);
+    3 a start a retry may fix (crashed, stalled, health check timed out); 4 any other failure."""
     from drafter.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_RETRYABLE
 
     if report["status"] == "ready":

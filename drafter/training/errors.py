@@ -10,7 +10,7 @@ class TrainingError(DrafterError):
 
 class TrainingInterrupted(TrainingError):
     """SIGTERM (e.g. Prefect cancellation): a checkpoint was written, a re-run resumes from it.
-    An interruption, not a failure: the CLI exits 143 like any SIGTERM (README, exit codes)."""
+    An interruption, not a failure: the CLI exits 143 like any SIGTERM (docs/operations.md, Exit codes)."""
 
     exit_code = EXIT_TERMINATED
 

@@ -1,6 +1,6 @@
 """`config validate` refuses what a later stage would refuse after the expensive ones (issue 32):
 registry names the registry cannot store, server ports past 65535; and a serve-only profile of a
-shallow target needs no dump fields, as the README says."""
+shallow target needs no dump fields, as docs/manual.md (Configuration) says."""
 from __future__ import annotations
 
 import pytest
@@ -113,9 +113,9 @@ def test_config_validate_prints_the_port_problem(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("layers", [4, 5, 6])
 def test_a_serve_only_profile_of_a_shallow_target_needs_no_dump_fields(tmp_path, monkeypatch, capsys, layers):
-    """The README: a serve-only profile (target, serve, storage) needs no train or dump fields. A
-    target under 7 layers has no default aux ids (they are not three distinct layers): that is an
-    error only where a stage needs them (dump, train, export), naming the field."""
+    """docs/manual.md (Configuration): a serve-only profile (target, serve, storage) needs no train or
+    dump fields. A target under 7 layers has no default aux ids (they are not three distinct layers):
+    that is an error only where a stage needs them (dump, train, export), naming the field."""
     draft = tmp_path / "drafter"
     draft.mkdir()
     data = {"target": {"path": str(tmp_path / "target"), "num_hidden_layers": layers, "vocab_size": 1000},

@@ -558,7 +558,7 @@ def test_kill_9_of_a_lifecycle_run_crashes_the_subflow_it_was_running(prefect_en
 
     datagen, server = wait_until("the datagen subflow running, its server up", datagen_serving, timeout=480)
     # What Prefect's process worker writes meanwhile: the run's whole environment, the worker's
-    # secret included, in its TMPDIR (the private run/tmp of infra/prefect-up.sh; README: Secrets)
+    # secret included, in its TMPDIR (the private run/tmp of infra/prefect-up.sh; docs/operations.md: Secrets)
     tmp = Path(prefect_env["PREFECT_HOME"]) / "run" / "tmp"
     (workspace,) = [w for w in tmp.glob("prefect-workspace-attempt-*/workspace.json")
                     if parent.encode() in w.read_bytes()]

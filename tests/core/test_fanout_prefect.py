@@ -37,7 +37,7 @@ PREFECT = str(ROOT / ".venv" / "bin" / "prefect") if (ROOT / ".venv").exists() e
 CHAT = ROOT / "tests" / "fixtures" / "chat_server.py"
 STAGES = '["prepare", "datagen", "dump"]'
 # In the workers' environment only (as an `env:` secret would be): what Prefect's process worker
-# leaves behind when it dies (README: Secrets).
+# leaves behind when it dies (docs/operations.md: Secrets).
 PLANTED = "fanout-planted-Secret-51be0a"
 pytestmark = pytest.mark.e2e
 

@@ -189,13 +189,13 @@ def test_every_setting_we_refuse_is_one_sglang_rewrites_rejects_or_leaves_broken
     assert "error" in r["steps only"]
     assert "error" in r["steps and topk"] or _resolved(r["steps and topk"], "num_draft_tokens") is None
     # More draft tokens than the tree holds: 0.5.23 accepts them as given. We refuse them on purpose
-    # (README, "Speculative settings"): older SGLang and its sweep script skip them, and the draft
-    # tree cannot fill them.
+    # (docs/manual.md, Configuration, "speculative settings"): older SGLang and its sweep script skip
+    # them, and the draft tree cannot fill them.
     for name in ("2/2/8", "1/4/8"):
         assert "error" not in r[name]
         assert _resolved(r[name], "num_draft_tokens") == 8
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert "stricter than SGLang on purpose" in readme
+    manual = (Path(__file__).resolve().parents[2] / "docs" / "manual.md").read_text()
+    assert "stricter than SGLang on purpose" in manual
 
 
 def test_our_layer_ids_are_what_sglang_captures(world):

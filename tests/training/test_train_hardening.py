@@ -263,7 +263,7 @@ def test_sigterm_of_drafter_train_exits_143_after_a_checkpoint(env, launch, npro
     run.proc.send_signal(signal.SIGTERM)  # the trainer's handler is in place once a checkpoint exists
     code = run.proc.wait(timeout=180)
     out = run.output()
-    assert code == 143, out  # the README's exit code for SIGTERM, not 4 ("a retry will not fix")
+    assert code == 143, out  # SIGTERM's exit code (docs/operations.md, Exit codes), not 4 ("a retry will not fix")
     assert "TrainingInterrupted" in out and "re-run resumes" in out, out
     # it checkpointed where it stopped: that may be the checkpoint the test saw, when the signal
     # arrived in the step that wrote it (a loaded machine did that: 4 == 4), never an older one
