@@ -56,7 +56,7 @@ def config_validate(files: list[Path] = typer.Argument(..., help="profiles to ch
             cfg = load_config(path)
             if not offline and (unusable := storage_problems(cfg)):
                 raise ConfigError(unusable, str(path))
-            decided = _sglang_decides(cfg, path) if cfg.serve.engine == "sglang" else ""
+            decided = _engine_decides(cfg, path)
             absent = [] if offline else path_problems(cfg)
             missing += bool(absent)
             typer.echo(f"{path}: ok{decided}" + (f", but {len(absent)} path(s) missing here" if absent else ""))
@@ -72,24 +72,17 @@ def config_validate(files: list[Path] = typer.Argument(..., help="profiles to ch
     raise typer.Exit(1 if failed else EXIT_PATHS_MISSING if missing else 0)
 
 
-def _sglang_decides(cfg: LifecycleConfig, path: Path) -> str:
-    """The installed SGLang (serve.python) resolves every launch of the profile and names the layers it
-    captures; a disagreement with our rules is a problem of the profile. Says which source decided."""
+def _engine_decides(cfg: LifecycleConfig, path: Path) -> str:
+    """What the configured engine says about every launch of the profile (`Engine.validate_profile`:
+    the installed SGLang resolves them and names the layers it captures); a disagreement with our
+    rules is a problem of the profile. Says which source decided."""
+    from drafter.engine_registry import make_engine
     from drafter.serving.errors import ServerConfigError
-    from drafter.engines.sglang_rules import validate_with_sglang
 
     try:
-        report = validate_with_sglang(cfg)
+        return make_engine(cfg.serve.engine).validate_profile(cfg)
     except ServerConfigError as err:
         raise ConfigError([("serve", err.message)], str(path)) from None
-    if not report["asked_sglang"]:
-        return f" (sglang: {report['source']})"
-    checked = ", ".join(f"{l['setting']} -> {l['resolved']['num_steps']}/{l['resolved']['eagle_topk']}/"
-                        f"{l['resolved']['num_draft_tokens']}" for l in report["launches"] if l["resolved"]["algorithm"])
-    layers = report.get("layers")
-    return (f" (checked by {report['source']}: {checked}"
-            + (f"; draft ids {layers['ids']} capture the outputs of layers {layers['aux_layer_ids']}" if layers else "")
-            + ")")
 
 
 @config_app.command("show")
@@ -298,7 +291,7 @@ def storage_estimate(tokens: float = typer.Option(..., help="corpus size in toke
                      dtype: str = typer.Option("bfloat16", help="stored dtype")) -> None:
     """How much object storage the hidden-state dump of a corpus needs (3 aux + final per token)."""
     from drafter.dtypes import DTYPES
-    from drafter.capture.shards import project_corpus
+    from drafter.contracts.shards import project_corpus
 
     if tokens < 1:
         raise typer.BadParameter(f"{tokens:g}: a corpus has at least 1 token", param_hint="'--tokens'")

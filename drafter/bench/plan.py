@@ -25,18 +25,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from drafter.config import LifecycleConfig, SpeculativeConfig
-from drafter.engines import speculative_flags, make_engine
+from drafter.engine_registry import make_engine
 from drafter.serving.errors import ServerConfigError
 
 BASELINE = "baseline"
 Interleave = Literal["concurrent", "relaunch"]
-
-# Engines with SGLang's /flush_cache (radix cache and the cumulative accept-length counters).
-FLUSH_CACHE = {"sglang": True, "reference": True, "vllm": False, "command": None}  # None: try it
-# Engines whose /generate answers carry SGLang's meta_info (completion_tokens, spec_verify_ct).
-SGLANG_API = {"sglang", "reference"}
-# Engines that stream tokens (TTFT and inter-token latency measurable).
-STREAMING = {"sglang": True, "vllm": True, "reference": False, "command": False}
+# What each engine offers the bench (SGLang's /flush_cache, its /generate API, streaming, counters)
+# is asked of the engine: drafter.engines.base.Engine (flush_cache, client_style, streams,
+# reports_counters).
 
 
 @dataclass(frozen=True)
@@ -136,21 +132,18 @@ def resolve_interleave(cfg: LifecycleConfig) -> Interleave:
     if mode != "auto":
         return mode
     s = cfg.serve
-    if s.engine == "command" or (s.engine == "reference" and s.device == "cpu"):
-        return "concurrent"
-    return "relaunch"
+    return "concurrent" if make_engine(s.engine).servers_share_no_gpu(s) else "relaunch"
 
 
 def engine_problem(cfg: LifecycleConfig, spec: SpeculativeConfig, draft_path: str,
                    forced_accept_length: float | None = None) -> str | None:
     """Why the configured engine cannot run `spec` (with acceptance forced at that length), or
     None. Rules beyond SGLang's own (which SpeculativeConfig enforced already)."""
-    engine = cfg.serve.engine
-    if engine == "reference" and spec.is_set and spec.eagle_topk != 1:
-        return (f"the reference engine drafts a chain: eagle_topk must be 1, got {spec.eagle_topk} "
-                f"(its server would exit at start)")
+    engine = make_engine(cfg.serve.engine)
+    if (problem := engine.speculative_problem(spec)) is not None:
+        return problem
     try:  # a dry build of the command line: the engine's own refusals (vLLM has no topk > 1)
-        make_engine(engine).build_launch(server_config(cfg, ServerPlan(server_key(spec), spec, draft_path=draft_path)),
+        engine.build_launch(server_config(cfg, ServerPlan(server_key(spec), spec, draft_path=draft_path)),
                                          draft_path, forced_accept_length=forced_accept_length)
     except ServerConfigError as err:
         return err.message
@@ -204,12 +197,13 @@ def server_config(cfg: LifecycleConfig, server: ServerPlan, port: int | None = N
     """The configuration one server of the sweep is launched with: `serve.speculative` and
     `serve.draft_path` set for a speculative server (cleared for the baseline), on `port`.
 
-    Engine `command` has no placeholder for the speculative settings: SGLang's speculative flags
-    (`--speculative-algorithm ... --speculative-num-steps ...`, as the reference engine takes them)
-    are appended to `serve.command`, so the command must accept them."""
+    The engine adds what else it needs (`Engine.bench_serve_update`): engine `command` has no
+    placeholder for the speculative settings, so SGLang's speculative flags (`--speculative-algorithm
+    ... --speculative-num-steps ...`, as the reference engine takes them) are appended to
+    `serve.command`, and the command must accept them."""
     s = cfg.serve if port is None else cfg.serve.on_port(port)
     draft_path = None if server.is_baseline else server.draft_path
     update: dict = {"speculative": server.speculative, "draft_path": draft_path}
-    if s.engine == "command" and not server.is_baseline:
-        update["command"] = list(s.command or []) + speculative_flags(server.speculative, draft_path)
+    if not server.is_baseline:
+        update.update(make_engine(s.engine).bench_serve_update(s, server.speculative, draft_path))
     return cfg.model_copy(update={"serve": s.model_copy(update=update)})

@@ -34,8 +34,9 @@ from typing import Any
 import httpx
 
 from drafter.bench.measure import ClientApi, MeasurementError, Prompt, measure
-from drafter.bench.plan import FLUSH_CACHE, SGLANG_API, STREAMING, ServerPlan, SweepPlan, server_config
+from drafter.bench.plan import ServerPlan, SweepPlan, server_config
 from drafter.config import LifecycleConfig
+from drafter.engine_registry import make_engine
 from drafter.errors import is_retryable
 from drafter.secrets import Redactor, redact_obj
 from drafter.serving.errors import ServerConfigError, ServerStartError
@@ -146,22 +147,16 @@ def hardware() -> dict[str, Any]:
 def client_api(cfg: LifecycleConfig, served: ServedServer) -> ClientApi:
     """SGLang's /generate for engines that have it (and a command server that answered SGLang's
     /get_server_info), OpenAI completions otherwise; streaming where the engine streams."""
-    engine = cfg.serve.engine
-    sglang = engine in SGLANG_API or (engine == "command" and bool(served.settings))
-    return ClientApi(style="sglang" if sglang else "openai", stream=STREAMING[engine],
-                     flush_cache=FLUSH_CACHE[engine] if cfg.bench.flush_cache else False,
-                     served_model_name=cfg.target.served_name, counters=engine == "vllm")
+    engine = make_engine(cfg.serve.engine)
+    return ClientApi(style=engine.client_style(served.settings), stream=engine.streams,
+                     flush_cache=engine.flush_cache if cfg.bench.flush_cache else False,
+                     served_model_name=cfg.target.served_name, counters=engine.reports_counters)
 
 
 def _engine_version(cfg: LifecycleConfig, served: ServedServer) -> str | None:
     version = served.settings.get("version")
-    if version is None and cfg.serve.engine == "vllm":
-        try:
-            resp = httpx.get(served.base_url + "/version", timeout=10)
-            if resp.status_code == 200:
-                version = resp.json().get("version")
-        except (httpx.HTTPError, ValueError):
-            pass
+    if version is None:
+        version = make_engine(cfg.serve.engine).probe_version(served.base_url)
     return str(version) if version is not None else None
 
 

@@ -7,6 +7,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import Field, field_validator, model_validator
 
 from drafter.config.base import OperationalField, OutputField, Strict
+from drafter.engine_registry import ENGINES, make_engine
 from drafter.layers import READ_VERSIONS
 
 
@@ -296,7 +297,7 @@ class SpeculativeConfig(Strict):
 
 
 class ServeConfig(Strict):
-    engine: Literal["reference", "sglang", "vllm", "command"] = OutputField("reference")
+    engine: str = OutputField("reference", description="one of drafter.engine_registry.ENGINES")
     python: str | None = OperationalField(
         None, description="interpreter of the engine's own environment that launches sglang / vllm (e.g. "
                           ".venv-vllm/bin/python); default: this interpreter")
@@ -325,10 +326,20 @@ class ServeConfig(Strict):
     stall_timeout_s: float = OperationalField(600.0, gt=0, description="no log progress for this long = hung")
     log_dir: str = OperationalField("runs/logs")
 
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _known_engine(cls, value: Any) -> Any:
+        # the registry's names (drafter.engine_registry), worded as pydantic words a Literal's choices
+        if not isinstance(value, str) or value not in ENGINES:
+            names = [repr(name) for name in ENGINES]
+            raise ValueError("Input should be " + (f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1
+                                                   else names[0]))
+        return value
+
     @model_validator(mode="after")
     def _engine_fields(self) -> "ServeConfig":
-        if self.engine == "command" and not self.command:
-            raise ValueError("engine 'command' needs `command` (the server command line)")
+        if (problem := make_engine(self.engine).serve_problem(self)) is not None:
+            raise ValueError(problem)
         from drafter.secrets import _PLACEHOLDER, reference_problem
 
         for key in (*self.env, *self.secrets):

@@ -243,6 +243,112 @@ class Engine:
                       responses: Sequence[Mapping[str, Any]] = ()) -> float | None:
         return None
 
+    def probe_version(self, base_url: str) -> str | None:
+        """The running server's version when its settings did not report one (None: unknown)."""
+        return None
+
+    # ---- what the stages ask of an engine ----------------------------------------------------
+    # The export layout this engine loads (drafter.export: "sglang", or "vllm" whose layer ids are
+    # one higher).
+    export_format: str = "sglang"
+    # Streams tokens: the bench measures TTFT and inter-token latency.
+    streams: bool = False
+    # SGLang's /flush_cache (radix cache and cumulative counters): True has it, False has not, None: try it.
+    flush_cache: bool | None = False
+    # /metrics carries the spec-decode counters the bench reads per measurement (vLLM's).
+    reports_counters: bool = False
+
+    @property
+    def not_streaming_note(self) -> str:
+        """The bench report's note for an engine that does not stream."""
+        return f"engine {self.name}: TTFT and inter-token latency are not measured (it does not stream)"
+
+    def client_style(self, settings: Mapping[str, Any]) -> GenerateStyle:
+        """Which API the bench measures with: SGLang's /generate ("sglang") or OpenAI completions,
+        given the settings the running server reported."""
+        return self.generate_style
+
+    def runs_without_gpu(self, serve) -> bool:
+        """The server of `serve` (a ServeConfig) takes no GPU: preflight skips the GPU check."""
+        return False
+
+    def servers_share_no_gpu(self, serve) -> bool:
+        """Several servers of `serve` can run at once (the bench's `concurrent` interleave)."""
+        return self.runs_without_gpu(serve)
+
+    def serve_problem(self, serve) -> str | None:
+        """What `serve` (a ServeConfig) lacks for this engine: a configuration error, or None."""
+        return None
+
+    def speculative_problem(self, spec: SpeculativeConfig) -> str | None:
+        """Why this engine cannot run `spec` beyond what SpeculativeConfig and `build_launch`
+        enforce (a server that would exit at start), or None."""
+        return None
+
+    def bench_serve_update(self, serve, spec: SpeculativeConfig | None, draft_path: str | None) -> dict[str, Any]:
+        """ServeConfig fields the bench changes, besides speculative / draft_path, to serve `spec`."""
+        return {}
+
+    # ---- preflight ---------------------------------------------------------------------------
+    # Preflight checks that a local draft path is a drafter directory (config.json + safetensors).
+    checks_draft_dir: bool = True
+    # (module to find, distributions whose version to read) in the engine's interpreter; None: no
+    # version to ask (then the draft's layer ids are not checked against a versioned rule).
+    version_packages: tuple[str, tuple[str, ...]] | None = None
+
+    def check_layer_ids(self, draft_path: str | None, target_path: str, python: str) -> dict[str, Any]:
+        """The layer-id rule hook: are the draft config's ids the ones this engine, at the version
+        installed for `python`, needs for the layers the drafter was trained on? A report for the
+        serve record; ServerConfigError when they are not (drafter.engines.layer_check)."""
+        from drafter.engines.layer_check import check_versioned
+
+        if self.version_packages is None or draft_path is None:
+            return {"checked": False, "why": f"engine {self.name!r} reads our ids as they are" if draft_path
+                    else "no drafter"}
+        return check_versioned(self.name, draft_path, target_path, python)
+
+    def launch_rules(self, cfg: LifecycleConfig, argv: Sequence[str], env: Mapping[str, str], python: str,
+                     layer_ids: Mapping[str, Any], *, speculating: bool) -> dict[str, Any]:
+        """Who decides how this engine reads the exact launch argv (the installed engine, asked
+        without starting it, or our transcribed rules): a report with a `source`; {} when nothing
+        is asked. Raises ServerConfigError when the launch would not serve what was asked."""
+        return {}
+
+    def validate_profile(self, cfg: LifecycleConfig) -> str:
+        """`drafter config validate`: what this engine says about every launch the profile can
+        make, as a suffix of the profile's `ok` line ("" for nothing). ServerConfigError: a problem."""
+        return ""
+
+    # ---- command lines SGLang and vLLM share ---------------------------------------------------
+    def _begin_launch(self, cfg: LifecycleConfig, draft_path: str | None, faults: Sequence[str],
+                      forced_accept_length: float | None):
+        """(serve, target, forced acceptance) of a production engine's launch: no fault injection."""
+        _no_faults(self.name, faults)
+        s = cfg.serve
+        return s, cfg.target, _forced(self, s.speculative, draft_path, forced_accept_length)
+
+    @staticmethod
+    def _target_flags(target) -> list[str]:
+        return (["--dtype", target.dtype] if target.dtype != "auto" else []) + (
+            ["--trust-remote-code"] if target.trust_remote_code else [])
+
+
+def generate_one_token(client: httpx.Client, spec: LaunchSpec, prompt: str,
+                       timeout_s: float) -> tuple[bool, str | None, httpx.Response]:
+    """One greedy token in the server's generate style (the readiness gate's last check):
+    (answered, the text, the response)."""
+    if spec.generate_style == "sglang":
+        resp = client.post("/generate", timeout=timeout_s, json={
+            "text": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+        body = resp.json() if resp.status_code == 200 else None
+        ok = isinstance(body, dict) and "text" in body
+        return ok, body["text"] if ok else None, resp
+    resp = client.post("/v1/completions", timeout=timeout_s, json={
+        "model": spec.served_model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0.0})
+    choices = resp.json().get("choices") if resp.status_code == 200 else None
+    ok = bool(choices)
+    return ok, choices[0].get("text") if ok else None, resp
+
 
 # --------------------------------------------------------------------------------------------
 # Shared helpers

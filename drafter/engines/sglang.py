@@ -8,9 +8,8 @@ from typing import Any, Mapping
 
 import httpx
 
-from drafter.engines.base import (ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle, Phase, _forced,
-                                          _no_faults, _option_flags, _rx, _with_forced, engine_python,
-                                          speculative_flags)
+from drafter.engines.base import (ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle, Phase, _option_flags, _rx,
+                                  _with_forced, engine_python, speculative_flags)
 from drafter.engines.metrics import sglang_accept_length, sglang_avg_accept_length
 
 # ServeConfig field -> engine flag (see _option_flags; vllm.VLLM_OPTION_FLAGS is the same table for vLLM).
@@ -117,17 +116,18 @@ class SGLangEngine(Engine):
                       "candidate steps per batch-size slot, topk 1 only, chosen at run time from the accept length "
                       "it sees: a server not measured here.)")
 
+    # what the stages ask (drafter.engines.base.Engine)
+    export_format = "sglang"
+    streams = True
+    flush_cache = True
+    version_packages = ("sglang", ("sglang",))
+
     def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=(), forced_accept_length=None):
-        _no_faults(self.name, faults)
-        s, t = cfg.serve, cfg.target
-        forced = _forced(self, s.speculative, draft_path, forced_accept_length)
+        s, t, forced = self._begin_launch(cfg, draft_path, faults, forced_accept_length)
         argv = [engine_python(cfg), "-m", "sglang.launch_server",
                 "--model-path", t.path, "--served-model-name", t.served_name,
                 "--host", s.host, "--port", str(s.port), "--tp-size", str(s.tp_size)]
-        if t.dtype != "auto":
-            argv += ["--dtype", t.dtype]
-        if t.trust_remote_code:
-            argv.append("--trust-remote-code")
+        argv += self._target_flags(t)
         argv += speculative_flags(s.speculative, draft_path)
         argv += _option_flags(s, SGLANG_OPTION_FLAGS)
         argv += list(s.extra_args)
@@ -157,3 +157,26 @@ class SGLangEngine(Engine):
         if responses:
             return sglang_accept_length(responses)
         return after.get("avg_spec_accept_length")
+
+    def launch_rules(self, cfg, argv, env, python, layer_ids, *, speculating):
+        # the installed SGLang decides how it reads our flags and ids (drafter.engines.sglang_rules)
+        from drafter.engines.sglang_rules import preflight_with_sglang
+
+        return preflight_with_sglang(cfg, argv, env, python, layer_ids, speculating=speculating)
+
+    def validate_profile(self, cfg):
+        """The installed SGLang (serve.python) resolves every launch of the profile and names the layers
+        it captures; says which source decided."""
+        from drafter.engines.sglang_rules import validate_with_sglang
+
+        report = validate_with_sglang(cfg)
+        if not report["asked_sglang"]:
+            return f" (sglang: {report['source']})"
+        checked = ", ".join(f"{l['setting']} -> {l['resolved']['num_steps']}/{l['resolved']['eagle_topk']}/"
+                            f"{l['resolved']['num_draft_tokens']}" for l in report["launches"]
+                            if l["resolved"]["algorithm"])
+        layers = report.get("layers")
+        return (f" (checked by {report['source']}: {checked}"
+                + (f"; draft ids {layers['ids']} capture the outputs of layers {layers['aux_layer_ids']}"
+                   if layers else "")
+                + ")")

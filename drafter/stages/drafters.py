@@ -102,7 +102,9 @@ def export_dir(cfg: LifecycleConfig, store: ObjectStore, export_fp: str) -> str:
     """An export as a local directory the configured engine loads, in that engine's format (vLLM's
     layer ids are one higher): `<serve.log_dir>/../drafters/export-<fp>[-vllm]/`, kept between
     runs (files re-verified, not re-fetched)."""
-    fmt = "vllm" if cfg.serve.engine == "vllm" else "sglang"
+    from drafter.engine_registry import make_engine
+
+    fmt = make_engine(cfg.serve.engine).export_format
     root = Path(cfg.serve.log_dir).parent / "drafters"
     name = f"export-{export_fp}" + ("-vllm" if fmt == "vllm" else "")
     return str(download_export(store, export_fp, root / name, fmt).resolve())

@@ -14,6 +14,11 @@ class ReferenceEngine(SGLangEngine):
     SGLang start-up lines and SGLang-compatible endpoints, so it shares the SGLang readers."""
 
     name = "reference"
+    # SGLang's API and /flush_cache, but no streaming; its layer ids are ours (check_layer_ids) and it
+    # has no installed version to ask, and no SGLang to resolve its flags (launch_rules, validate_profile)
+    streams = False
+    version_packages = None
+    not_streaming_note = "the reference engine does not stream: TTFT and inter-token latency are not measured"
     per_batch_note = ("The reference engine takes one speculative setting per server: launch one server per batch "
                       "size, or the one for the batch size it will serve.")
 
@@ -36,3 +41,25 @@ class ReferenceEngine(SGLangEngine):
         # reference_server.py --simulate-accept-length -> speculative.py ForcedAccepts
         return ForcedAcceptance(accept_length, args=("--simulate-accept-length", str(float(accept_length))),
                                 source="drafter/engines/reference/reference_server.py --simulate-accept-length")
+
+    def runs_without_gpu(self, serve):
+        return serve.device == "cpu"
+
+    def speculative_problem(self, spec):
+        if spec.is_set and spec.eagle_topk != 1:
+            return (f"the reference engine drafts a chain: eagle_topk must be 1, got {spec.eagle_topk} "
+                    f"(its server would exit at start)")
+        return None
+
+    def check_layer_ids(self, draft_path, target_path, python):
+        from drafter.engines.layer_check import check_reference
+
+        if draft_path is None:
+            return {"checked": False, "why": "no drafter"}
+        return check_reference(draft_path, target_path)
+
+    def launch_rules(self, cfg, argv, env, python, layer_ids, *, speculating):
+        return {}
+
+    def validate_profile(self, cfg):
+        return ""
