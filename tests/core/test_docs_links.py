@@ -4,6 +4,10 @@ Links are read from the real files (outside code blocks and code spans): a targe
 relative to the page that links it, and an anchor must be a heading of the page it names, by
 GitHub's rule (lowercase; punctuation other than `-` and `_` dropped; each space a hyphen; a repeated
 heading gets -1, -2, ...). The README links every docs page, so a newcomer can reach each one.
+
+The README's Layout block matches the tree: every path it names exists (an entry's files resolved in
+the entry's folder), and it names every package of drafter/ and every module directly in drafter/,
+tasks/ and flows/.
 """
 from __future__ import annotations
 
@@ -114,3 +118,56 @@ def test_the_checker_finds_what_is_broken(tmp_path, monkeypatch):
         "(docs/a.md#notes-2): no heading of docs/a.md has the anchor #notes-2",
         "(#nothing-here): no heading of README.md has the anchor #nothing-here",
     ]
+
+
+# The README's Layout block: an entry's name starts at column 0, 2 or 4 (two spaces a level), its
+# description at column 22; a line with nothing before column 22 continues the entry above it.
+NAME_COLUMN = 22
+FILE_NAME = re.compile(r"[\w./-]+\.(?:py|md|yaml|json|png|sh)\b")
+
+
+def layout_lines() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("\n## Layout\n", 1)[1].split("```", 2)[1]
+    return [line for line in block.split("\n") if line.strip()]
+
+
+def layout_paths() -> list[tuple[str, Path]]:
+    """(the Layout line, a path it names), the path resolved from the entry it belongs to."""
+    out, stack, here = [], [], ROOT
+    for line in layout_lines():
+        indent = len(line) - len(line.lstrip(" "))
+        if indent < NAME_COLUMN:
+            depth = indent // 2
+            names = line[indent:NAME_COLUMN].split()
+            if len(line) > NAME_COLUMN and line[NAME_COLUMN - 1] != " ":  # a long name runs on
+                names = line[indent:].split("  ")[0].split()
+            first = names[0].rstrip(",")
+            del stack[depth:]
+            if first.endswith("/"):
+                stack.append(first.rstrip("/"))
+                here = ROOT.joinpath(*stack)
+                out.append((line, here))
+            else:
+                here = ROOT.joinpath(*stack)
+        for name in FILE_NAME.findall(line):
+            out.append((line, ROOT / name if "/" in name else here / name))
+    return out
+
+
+def test_every_path_the_layout_names_exists():
+    missing = sorted({f"{path.relative_to(ROOT)} (named in: {line.strip()[:80]})"
+                      for line, path in layout_paths() if not path.exists()})
+    assert missing == [], ("the README's Layout names paths the tree does not have (update its block):\n"
+                           + "\n".join(missing))
+
+
+def test_the_layout_names_every_package_and_top_module():
+    named = {path.resolve() for _, path in layout_paths()}
+    expected = set()
+    for top in ("drafter", "tasks", "flows"):
+        expected |= {p.resolve() for p in (ROOT / top).glob("*.py") if p.name != "__init__.py"}
+    expected |= {p.resolve() for p in (ROOT / "drafter").iterdir()
+                 if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))}
+    unnamed = sorted(str(p.relative_to(ROOT)) for p in expected - named)
+    assert unnamed == [], "the README's Layout does not name (add a line for each): " + ", ".join(unnamed)
