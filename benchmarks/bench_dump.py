@@ -36,7 +36,7 @@ import torch
 from drafter.capture import backends, base, hf
 from drafter.config import DemoTargetConfig, TargetConfig, parse_config
 from drafter.demo_target import build_demo_target, build_tokenizer
-from drafter.capture.shards import project_corpus
+from drafter.contracts.shards import project_corpus
 from drafter.stage_output import StageOutput, to_jsonl
 from drafter.capture.plan import plan_dump
 from drafter.store import FileStore, ObjectStore, S3Store
@@ -242,7 +242,7 @@ def ceiling(row: dict, machine: dict) -> dict:
 
 def load_conversations(path: Path | None, n: int) -> list[dict]:
     if path is None:
-        from drafter.prepare.sources import load_sharegpt
+        from drafter.contracts.sharegpt import load_sharegpt
 
         return load_sharegpt(max(n, 1000) + 10)
     if path.name.endswith(".gz"):  # `bench_drafter_quality.py --write-corpus` writes .jsonl.gz

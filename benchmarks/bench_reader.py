@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter.capture import fp8  # noqa: E402
+from drafter.contracts import fp8  # noqa: E402
 from drafter.layers import LAYER_ID_CONVENTION  # noqa: E402
-from drafter.capture.shards import ShardWriter  # noqa: E402
+from drafter.contracts.shards import ShardWriter  # noqa: E402
 from drafter.stage_output import StageOutput  # noqa: E402
 from drafter.store import FileStore, ObjectStore, S3Store  # noqa: E402
 from drafter.training.data import Cursor, DumpExpectation, DumpReader, Packer, dump_splits  # noqa: E402

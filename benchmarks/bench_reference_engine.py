@@ -30,7 +30,7 @@ from drafter.engines.reference.speculative import SamplingParams, SpeculativeEng
 
 
 def build_models(work: Path) -> dict[str, tuple[Path, Path]]:
-    from drafter.prepare.sources import load_sharegpt
+    from drafter.contracts.sharegpt import load_sharegpt
     from drafter.demo_target import build_demo_target
     from tests.fixtures.targets import TINY_CONVERSATIONS, tiny_target_config
     from tests.fixtures.speculative import build_successor_drafter, build_successor_target

@@ -7,7 +7,7 @@
 A growing source folder gets `--conversations` ShareGPT conversations (batch-0000.jsonl, as `make
 demo-retrain` writes them); prepare, datagen and dump run into store A. Then `--new-fraction` more
 conversations arrive (batch-0001.jsonl) and the three stages run again into store A: the retrain,
-which reuses earlier work (drafter.retrain.reuse). Finally a fresh store B runs the same grown corpus from
+which reuses earlier work (drafter.contracts.reuse). Finally a fresh store B runs the same grown corpus from
 scratch. Work = conversations sent to the target (datagen) and samples whose hidden states were
 computed (dump), read from the manifests; seconds are each stage's wall time (datagen includes
 starting its own target server). Everything goes to `--out`/bench_retrain.json.

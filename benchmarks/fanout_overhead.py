@@ -30,7 +30,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from drafter.demo_target import build_demo_target  # noqa: E402
-from drafter.prepare.sources import load_sharegpt  # noqa: E402
+from drafter.contracts.sharegpt import load_sharegpt  # noqa: E402
 from tests.fixtures.local_prefect import local_prefect  # noqa: E402
 from tests.fixtures.net import free_port_block  # noqa: E402
 from tests.fixtures.targets import TINY_CONVERSATIONS, tiny_target_config  # noqa: E402

@@ -216,7 +216,7 @@ class _Built:
 def _split_conversations(cfg: DemoTargetConfig, conversations: list[dict] | None) -> tuple[list[dict], list[dict]]:
     """(train, held-out) conversations; ShareGPT when none are given."""
     if conversations is None:
-        from drafter.prepare.sources import load_sharegpt
+        from drafter.contracts.sharegpt import load_sharegpt
 
         conversations = load_sharegpt(cfg.train_conversations + cfg.eval_conversations)
     if len(conversations) < cfg.eval_conversations + 1:

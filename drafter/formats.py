@@ -83,7 +83,19 @@ def read_conversations(store: ObjectStore, stage: str, fp: str, split: str = "tr
     raise ValueError(f"no conversations in a {stage!r} output (expected {PREPARE} or {DATAGEN})")
 
 
-# ---- dump: `[eval-]hs-NNNNN.safetensors` (format: drafter.capture.shards)
+# ---- dump: `[eval-]hs-NNNNN.safetensors` (format: drafter.contracts.shards)
+
+
+def dump_pieces(store: ObjectStore, upstream_stage: str, upstream_fp: str, split: str, size: int) -> list[list[dict]]:
+    """The records of one split cut into dump pieces of at most `size`, never across an upstream
+    shard (datagen's shards; prepare's split is one shard), so a referenced datagen shard yields the
+    pieces it yielded before (what lets a dump reuse earlier shards: drafter.contracts.reuse)."""
+    if upstream_stage == DATAGEN:
+        out = StageOutput.committed(store, DATAGEN, upstream_fp)
+        blocks = [out.read_jsonl(name) for name in shards_of_split(out.manifest, "gen", split)]
+    else:
+        blocks = [read_conversations(store, upstream_stage, upstream_fp, split)]
+    return [block[i:i + size] for block in blocks for i in range(0, len(block), size)]
 
 
 def hidden_state_shard_name(index: int, split: str = "train") -> str:
@@ -118,7 +130,7 @@ def iter_dump_samples(store: ObjectStore, manifest: Manifest | str, *, expect_au
     `loss_mask`, `aux_hidden_states` [T, 3, H], `hidden_states` [T, H] (memory-mapped views).
     Each shard is downloaded and checked against its sha256 (the next one downloads while the
     current one is read); the manifest is checked against the expected layer ids first."""
-    from drafter.capture.shards import HiddenStateShard  # torch: only for readers of hidden states
+    from drafter.contracts.shards import HiddenStateShard  # torch: only for readers of hidden states
 
     out = StageOutput.committed(store, DUMP, manifest)
     manifest = out.manifest

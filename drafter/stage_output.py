@@ -10,7 +10,7 @@ Layout under the store root: `<stage>/<fingerprint>/`
                               made it (evidence; the next run of the stage redoes those shards)
 
 A shard may be a reference (`ShardInfo.source`): bytes another output committed, listed here by
-their key instead of copied (an incremental dump reuses terabytes that way, see drafter.retrain.reuse).
+their key instead of copied (an incremental dump reuses terabytes that way, see drafter.contracts.reuse).
 Completeness checks and reads follow the reference and verify the bytes against this manifest.
 
 The fingerprint hashes everything that determines the output (stage config, upstream fingerprints,
@@ -33,11 +33,34 @@ from pathlib import Path, PurePath
 from pydantic import BaseModel, Field, ValidationError
 
 from drafter.errors import DrafterError
-from drafter.stage_result import Progress, StageResult, guarded_progress  # noqa: F401  (re-exported)
 from drafter.hashing import CHUNK, canonical_json, hash_chunks, hash_file, sha256_hex, short_hash
 from drafter.store import CorruptObject, InvalidName, ObjectNotFound, ObjectStore, StoreError, check_key
 
 log = logging.getLogger(__name__)
+
+# A stage's progress callback: (done, total or None, *info); a Prefect artifact, a terminal bar.
+Progress = Callable[..., None]
+
+
+def guarded_progress(progress: Progress | None, stage: str) -> Progress | None:
+    """`progress` that never raises: a progress display must never stop hours of work. Its first
+    failure is logged and the reports stop."""
+    if progress is None:
+        return None
+    failed = False
+
+    def report(*args) -> None:
+        nonlocal failed
+        if failed:
+            return
+        try:
+            progress(*args)
+        except Exception as err:
+            failed = True
+            log.warning("%s progress callback failed (%s); progress reports stop", stage, err)
+
+    return report
+
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "_SUCCESS.json"

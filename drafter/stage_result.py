@@ -1,39 +1,14 @@
-"""What every stage run hands back (StageResult) and how it reports progress (Progress), apart
-from the committed outputs themselves (drafter.stage_output)."""
+"""What every stage run hands back (StageResult): where its output is, what it holds, what to show.
+It sits above the committed outputs (drafter.stage_output, whose manifest a result carries, and
+where a stage's progress callback, Progress, is defined)."""
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from drafter.stage_output import Manifest
-
-log = logging.getLogger(__name__)
-
-# A stage's progress callback: (done, total or None, *info); a Prefect artifact, a terminal bar.
-Progress = Callable[..., None]
-
-
-def guarded_progress(progress: Progress | None, stage: str) -> Progress | None:
-    """`progress` that never raises: a progress display must never stop hours of work. Its first
-    failure is logged and the reports stop."""
-    if progress is None:
-        return None
-    failed = False
-
-    def report(*args) -> None:
-        nonlocal failed
-        if failed:
-            return
-        try:
-            progress(*args)
-        except Exception as err:
-            failed = True
-            log.warning("%s progress callback failed (%s); progress reports stop", stage, err)
-
-    return report
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 
 With a retrain profile (a growing source, `train.init_from: champion`, `serve.draft_path:
 champion`, `retrain.bench`) each run prepares the corpus version the source holds now, generates
-and dumps only what earlier runs did not (drafter.retrain.reuse), fine-tunes the champion, exports and
+and dumps only what earlier runs did not (drafter.contracts.reuse), fine-tunes the champion, exports and
 judges the challenger, benches it side by side with the champion and the baseline, lets the
 `champion` stage promote or reject it, then serves the champion.
 The verdict becomes a `drafter.promoted` / `drafter.rejected` event (the figures as payload, for

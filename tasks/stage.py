@@ -26,7 +26,7 @@ from drafter.config import LifecycleConfig
 from drafter.errors import DrafterError, describe
 from drafter.serving.launcher import ServerLine
 from drafter.fanout import RangeTask, done_line
-from drafter.stage_output import StageResult
+from drafter.stage_result import StageResult
 from drafter.stages import Stage, StageTable
 from drafter.store import open_store
 from tasks.common import ProgressArtifact, log, retry_retryable, this_run_owns_its_servers

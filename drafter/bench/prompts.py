@@ -45,7 +45,7 @@ def build_prompts(cfg: LifecycleConfig, conversations: list[dict]) -> BenchPromp
     tokenizes it)."""
     tok = _tokenizer(cfg)
     if tok is not None and tok.chat_template:
-        from drafter.export.judge import prompts_from_conversations
+        from drafter.contracts.prompts import prompts_from_conversations
 
         context = target_context(cfg)
         room = context - cfg.bench.max_tokens if context is not None else sys.maxsize

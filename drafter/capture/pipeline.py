@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.capture import fp8
+from drafter.contracts import fp8
+from drafter.contracts.shards import ShardWriter
 from drafter.prefetch import thread
-from drafter.capture.shards import ShardWriter
 from drafter.stage_output import StageOutput
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from drafter.capture import base
-from drafter.capture.shards import FINAL_HIDDEN, FORMAT, bytes_per_token, format_version, storage_label, storage_projection
 from drafter.config import LAYER_ID_CONVENTION, ConfigError, LifecycleConfig, fingerprint_fields
+from drafter.contracts.shards import FINAL_HIDDEN, FORMAT, bytes_per_token, format_version, storage_label, storage_projection
 from drafter.dtypes import dtype_name
 from drafter.formats import DATAGEN, PREPARE
 from drafter.formats import DUMP as STAGE
@@ -44,7 +44,7 @@ class DumpPlan:
     @property
     def settings(self) -> dict:
         """Everything that determines the bytes except the upstream (outputs with equal settings
-        can share shards computed from equal records: drafter.retrain.reuse)."""
+        can share shards computed from equal records: drafter.contracts.reuse)."""
         dump = fingerprint_fields(self.cfg.dump)
         del dump["aux_layer_ids"], dump["dtype"]  # in their resolved form below
         storage = dump.pop("storage_dtype")  # the default leaves earlier dumps' fingerprints as they were

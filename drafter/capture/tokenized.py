@@ -11,8 +11,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from drafter.capture.plan import DumpPlan
+from drafter.contracts import reuse
 from drafter.formats import split_prefix
-from drafter.retrain import reuse
 from drafter.tokenize import TOKEN_IDS, conversation_tokens, end_of_turn_ids, valid_token_ids
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class TokenizedShard:
     samples: list[tuple[str, list[int], list[int]]]
     quarantined: list[dict]
     truncated: int
-    input_digest: str = ""  # drafter.retrain.reuse.records_digest of the records (what a later dump can reference)
+    input_digest: str = ""  # drafter.contracts.reuse.records_digest of the records (what a later dump can reference)
     from_token_ids: int = 0  # samples built from the engine's recorded ids (the others re-tokenised)
 
 

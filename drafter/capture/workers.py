@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 
 from drafter import prefetch
-from drafter.capture import backends, base, fp8, hf
+from drafter.capture import backends, base, hf
 from drafter.capture import pipeline as dump_pipeline
 from drafter.capture.plan import DumpPlan
-from drafter.capture.shards import NUM_AUX, ShardWriter
 from drafter.capture.tokenized import TokenizedShard, tokenized_shards
 from drafter.config import LAYER_ID_CONVENTION
+from drafter.contracts import fp8
+from drafter.contracts.shards import NUM_AUX, ShardWriter
 from drafter.dtypes import dtype_name
 from drafter.formats import DUMP as STAGE
 from drafter.formats import hidden_state_shard_name as shard_name

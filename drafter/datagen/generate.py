@@ -38,7 +38,7 @@ class Shard:
     errors: list[dict | None] = field(default_factory=list)
     remaining: int = 0
     saved: bool = False
-    digest: str = ""               # drafter.retrain.reuse.digest of the conversations' keys (resume check)
+    digest: str = ""               # drafter.contracts.reuse.digest of the conversations' keys (resume check)
     servers: Counter = field(default_factory=Counter)  # which server answered each record's last turn
     error_servers: Counter = field(default_factory=Counter)  # which server gave up on each error record
 

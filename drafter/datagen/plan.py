@@ -9,9 +9,9 @@ from collections import Counter
 from typing import Any
 
 from drafter.config import LifecycleConfig
+from drafter.contracts import reuse
 from drafter.datagen.generate import Shard
 from drafter.formats import SPLITS, gen_shard_name, load_prepared, split_prefix
-from drafter.retrain import reuse
 from drafter.stage_output import EmptyOutput, ShardInfo, StageOutput
 from drafter.store import ObjectStore
 

@@ -1,11 +1,11 @@
 """Offline judgement of an export: the EXPORTED SGLang-format files loaded into the reference
-engine's speculative decoder (drafter.serving.speculative, the same code the reference server
+engine's speculative decoder (drafter.engines.reference.speculative, the same code the reference server
 runs) with the real target, greedy, chain drafting (topk 1), on held-out prompts.
 The second judge, real vLLM on the vLLM export, is drafter.export.vllm_judge.
 
 Figures (all over verify steps, the bonus token included where it says accept length):
 - accept_length: 1 + accepted drafts / verifies: what training's simulated accept length predicts
-  (1 + sum_k accept_rate_k over the first `num_steps` positions; drafter.training.metrics);
+  (1 + sum_k accept_rate_k over the first `num_steps` positions; drafter.contracts.accept);
 - sglang_accept_length: completion tokens / verifies (SGLang's meta_info figure; it also counts the
   token from the prefill, so it is a little higher on short outputs);
 - per_position: accepted at draft position k / verifies (k = 0 .. num_steps-1), next to training's
@@ -20,38 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from drafter.export.sglang import PROVENANCE_KEY, ExportError
-from drafter.training.metrics import predicted_accept
+from drafter.contracts.accept import predicted_accept
+from drafter.contracts.prompts import prompts_from_conversations
 
 
 class JudgedTooLow(ExportError):
     """The exported drafter accepts too few tokens offline; the message names the threshold."""
-
-
-def prompts_from_conversations(tokenizer, conversations: list[dict], limit: int, max_prompt_tokens: int
-                               ) -> tuple[list[list[int]], dict[str, int]]:
-    """Token ids of the first `limit` usable prompts: each conversation's messages up to its first
-    assistant turn, rendered with the target's chat template and a generation prompt."""
-    prompts, skipped = [], {"no_user_turn": 0, "too_long": 0}
-    for conv in conversations:
-        if len(prompts) >= limit:
-            break
-        messages = []
-        for m in conv.get("messages") or []:
-            if m.get("role") == "assistant":
-                break
-            messages.append({"role": m["role"], "content": m["content"]})
-        if not any(m["role"] == "user" for m in messages):
-            skipped["no_user_turn"] += 1
-            continue
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        ids = [int(i) for i in ids]
-        if len(ids) > max_prompt_tokens:
-            skipped["too_long"] += 1
-            continue
-        prompts.append(ids)
-    return prompts, skipped
 
 
 def _buckets(edges: list[int]) -> list[tuple[int, int | None]]:
@@ -67,7 +41,7 @@ def judge_export(sglang_dir: str | Path, target, prompts: list[list[int]], *, nu
     import torch
 
     from drafter.model import load_drafter
-    from drafter.serving.speculative import SamplingParams, SpeculativeEngine
+    from drafter.engines.reference.speculative import SamplingParams, SpeculativeEngine
 
     drafter = load_drafter(sglang_dir, device=target.device, dtype=target.dtype)
     # The reference engine captures features in our convention; the export records our ids next

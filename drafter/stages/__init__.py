@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from drafter.config import LifecycleConfig
-from drafter.stage_output import Progress, StageOutput, StageResult
+from drafter.stage_output import Progress, StageOutput
+from drafter.stage_result import StageResult
 from drafter.fanout import FanOut, RangeTask
 from drafter.stages.base import StageContext, run_range, run_stage
 from drafter.store import ObjectStore, open_store

@@ -41,7 +41,8 @@ from typing import Any
 from drafter.config import LifecycleConfig
 from drafter.errors import DrafterError
 from drafter.fanout import FanOut, Lease, PlanChanged, RangeTask, lease_key, plan_digest, split_ranges
-from drafter.stage_output import AlreadyCommitted, Progress, StageOutput, StageResult
+from drafter.stage_output import AlreadyCommitted, Progress, StageOutput
+from drafter.stage_result import StageResult
 from drafter.store import ObjectStore
 from drafter.workdirs import describe_holder, output_lock
 

@@ -23,7 +23,7 @@ so a killed run resumes at the shards without a verified `gen-i` of the same pla
 duplicates or drops a sample.
 `errors-i` is written before `gen-i`: `gen-i` is the shard's "done" mark.
 
-Incremental (drafter.retrain.reuse): earlier outputs for the same target and settings are looked up; their
+Incremental (drafter.contracts.reuse): earlier outputs for the same target and settings are looked up; their
 shards whose conversations are all still in the corpus are referenced whole, answers in their other
 shards are copied, and only the remaining conversations are sent to the target (in new shards after
 the referenced ones). `conversation-keys.jsonl` lists each shard's conversation keys for later runs.
@@ -49,12 +49,12 @@ import logging
 from dataclasses import dataclass
 
 from drafter.config import LifecycleConfig, fingerprint_fields
+from drafter.contracts import reuse
 from drafter.datagen.generate import RetokenizeCheck, generate, run_sync, with_servers, write_shard_files
 from drafter.datagen.plan import (RETOKENIZE_WARN_BELOW, drop_stale_errors, drop_unplanned, manifest_meta, not_empty,
                                   plan_shards, token_id_line, token_id_warnings)
 from drafter.formats import DATAGEN as STAGE
 from drafter.formats import PREPARE, SPLITS, split_prefix
-from drafter.retrain import reuse
 from drafter.stage_output import StageOutput, to_jsonl
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.stages.base import Built, StageContext, Summary, Work

@@ -1,6 +1,6 @@
 """The `dump` stage: conversations -> the target's hidden states, as shards in object storage.
 
-Output (`dump/<fingerprint>/`): `hs-00000.safetensors`, ... (format: drafter.capture.shards) and a manifest
+Output (`dump/<fingerprint>/`): `hs-00000.safetensors`, ... (format: drafter.contracts.shards) and a manifest
 whose meta records what a reader must agree with: target fingerprint, tokenizer and chat-template
 hashes, dtype, `aux_layer_ids` + `layer_id_convention`, hidden size, counts, bytes per token, the
 storage projection and the quarantined samples.
@@ -27,7 +27,7 @@ mean, and re-dumping terabytes because a resume runs on other GPUs would be the 
 shard's marker records the device and tokens_per_batch that computed it. (The fields declare this
 themselves: OperationalField in drafter.config.)
 
-Incremental (drafter.retrain.reuse): each shard's marker records the digest of the records it was computed
+Incremental (drafter.contracts.reuse): each shard's marker records the digest of the records it was computed
 from; a piece that an earlier dump of the same target and settings already computed is referenced
 from that dump, not recomputed, so a retrain on a grown corpus computes only the new pieces.
 
@@ -40,7 +40,7 @@ finished shards to the store, so the device computes while earlier shards are co
 written (drafter.capture.pipeline).
 
 Storage: `dump.storage_dtype: model` stores the states in the capture dtype (format_version 1);
-`float8_e4m3` stores them in fp8 with a float32 scale per token and state (drafter.capture.fp8, ~half the
+`float8_e4m3` stores them in fp8 with a float32 scale per token and state (drafter.contracts.fp8, ~half the
 bytes, format_version 2), encoded on the device; readers decode to the capture dtype.
 """
 from __future__ import annotations
@@ -51,11 +51,11 @@ from dataclasses import dataclass
 from drafter.capture.plan import DumpPlan, plan_dump, summarize as summarize_shards
 from drafter.capture.workers import run_workers
 from drafter.config import LifecycleConfig
+from drafter.contracts import reuse
 from drafter.errors import DrafterError
-from drafter.formats import SPLITS
+from drafter.formats import SPLITS, dump_pieces
 from drafter.formats import DUMP as STAGE
 from drafter.formats import hidden_state_shard_name as shard_name
-from drafter.retrain import reuse
 from drafter.stage_output import StageOutput
 from drafter.stages.base import Built, StageContext, Summary, Work
 
@@ -87,8 +87,8 @@ def plan(inputs: Inputs, out: StageOutput, owner: bool) -> Work:
     cfg, store, plan, progress = inputs.ctx.cfg, inputs.ctx.store, inputs.plan, inputs.ctx.progress
     upstream_stage, upstream_fingerprint = plan.upstream_stage, plan.upstream_fingerprint
     # Train shards first, then the (small) held-out split the trainer evaluates on.
-    pieces = {split: reuse.dump_pieces(store, upstream_stage, upstream_fingerprint, split,
-                                       cfg.dump.samples_per_shard) for split in SPLITS}
+    pieces = {split: dump_pieces(store, upstream_stage, upstream_fingerprint, split,
+                                 cfg.dump.samples_per_shard) for split in SPLITS}
     if not pieces["train"]:
         raise EmptyUpstream(f"{upstream_stage}/{upstream_fingerprint} holds no conversations")
     jobs = [(split, i) for split in SPLITS for i in range(len(pieces[split]))]

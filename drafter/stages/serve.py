@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from drafter.config import LifecycleConfig
 from drafter.formats import EXPORT
 from drafter.serving.check import check_server
-from drafter.stage_output import StageResult
+from drafter.stage_result import StageResult
 from drafter.stages.base import StageContext
 from drafter.stages.drafters import Drafters, needs_export, resolve_drafter
 

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 # The two imports of the dump format (repoint here if the format module moves).
+from drafter.contracts.shards import HiddenStateShard, decode_states
 from drafter.formats import DumpMismatch, check_dump_manifest, shards_of_split
-from drafter.capture.shards import HiddenStateShard, decode_states
 from drafter.hashing import hash_file
 from drafter.layers import LAYER_ID_CONVENTION
 from drafter.prefetch import Prefetch

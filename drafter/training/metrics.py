@@ -27,7 +27,7 @@ n + 1 positions on, repeat) for every s = 1..K:
   served_per_position[s-1][k]   verifies whose draft position k was accepted / verifies
 This is what the offline judge measures on the same target (greedy, topk 1), up to each request's
 first draft, which starts from the prompt's last position (never a draft start in training).
-`predicted_accept` uses it when a row has it.
+`predicted_accept` (drafter.contracts.accept) uses it when a row has it.
 """
 from __future__ import annotations
 
@@ -78,19 +78,6 @@ def served_figures(walk: torch.Tensor) -> dict:
     per_position = [[float(a) / v if v else 0.0 for a in w[s, 1:s + 2]] for s, v in enumerate(verifies)]
     return {"served_accept_length": [1.0 + sum(p) for p in per_position], "served_per_position": per_position,
             "served_verifies": [int(v) for v in verifies]}
-
-
-def predicted_accept(row: dict, num_steps: int) -> dict:
-    """The prediction at `num_steps` draft steps from a metrics row: the served walk's figures
-    when the row has them (held-out rows), else 1 + sum of accept_rate. Steps past the trained TTT
-    depth are not extrapolated: `positions_used` says how many were available."""
-    if row.get("served_accept_length"):
-        s = min(num_steps, len(row["served_accept_length"]))
-        return {"accept_length": row["served_accept_length"][s - 1], "per_position": row["served_per_position"][s - 1],
-                "positions_used": s, "source": "served walk"}
-    rates = [float(r) for r in row["accept_rate"][:num_steps]]
-    return {"accept_length": 1.0 + sum(rates), "per_position": rates, "positions_used": len(rates),
-            "source": "accept_rate"}
 
 
 def to_jsonl(rows: list[dict]) -> bytes:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from drafter.capture import fp8
+from drafter.contracts import fp8
+from drafter.contracts.shards import HiddenStateShard, bytes_per_token
 from drafter.formats import iter_dump_samples
-from drafter.capture.shards import HiddenStateShard, bytes_per_token
 from drafter.stage_output import StageOutput
 from tests.fixtures.dump_stage import AUX, convs, make_cfg, put_prepared, run_dump  # noqa: F401 (fixture)
 
 
 def _bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """drafter.capture.fp8's stated bound: |x| / 16 in e4m3's normal range, scale * 2^-10 below it."""
+    """drafter.contracts.fp8's stated bound: |x| / 16 in e4m3's normal range, scale * 2^-10 below it."""
     return x.abs() / 16 + scale.unsqueeze(-1) * 2 ** -10
 
 

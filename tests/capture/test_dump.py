@@ -16,15 +16,14 @@ import yaml
 
 from drafter.capture import backends, base
 from drafter.capture import hf as hf_capture
-from drafter.config import LAYER_ID_CONVENTION, ConfigError
-from drafter.formats import DumpMismatch, iter_dump_samples, read_conversations
-from drafter.formats import hidden_state_shard_name as shard_name
-from drafter.stage_output import to_jsonl
 from drafter.capture import tokenized
 from drafter.capture.plan import plan_dump
-from drafter.capture.shards import (FINAL_HIDDEN, HiddenStateShard, bytes_per_token, project_corpus,
-                            storage_projection, write_shard_file)
-from drafter.stage_output import StageOutput
+from drafter.config import LAYER_ID_CONVENTION, ConfigError
+from drafter.contracts.shards import (FINAL_HIDDEN, HiddenStateShard, bytes_per_token, project_corpus,
+                                      storage_projection, write_shard_file)
+from drafter.formats import DumpMismatch, iter_dump_samples, read_conversations
+from drafter.formats import hidden_state_shard_name as shard_name
+from drafter.stage_output import StageOutput, to_jsonl
 from drafter.store import CorruptObject, FileStore
 from drafter.tokenize import tokenize_conversation
 from tests.fixtures.dump_stage import (AUX, BUDGET, MAXLEN, convs, make_cfg, put_prepared, run_dump,  # noqa: F401
@@ -364,7 +363,7 @@ def test_shard_file_roundtrip_views_and_determinism(tmp_path):
 
 
 def test_empty_shard_keeps_shapes(tmp_path):
-    from drafter.capture.shards import ShardWriter
+    from drafter.contracts.shards import ShardWriter
 
     path = ShardWriter().finish(tmp_path / "e.safetensors", empty_like={
         "input_ids": (torch.int64, ()), "loss_mask": (torch.uint8, ()),
@@ -374,7 +373,7 @@ def test_empty_shard_keeps_shapes(tmp_path):
 
 
 def test_a_failed_finish_removes_the_spool(tmp_path):
-    from drafter.capture.shards import ShardWriter, write_shard_file
+    from drafter.contracts.shards import ShardWriter, write_shard_file
 
     with pytest.raises(ValueError, match="empty_like"):
         ShardWriter(spool_dir=tmp_path).finish(tmp_path / "e.safetensors")

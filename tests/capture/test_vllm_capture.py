@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.stages import TABLE
 from drafter.config import parse_config
-from drafter.capture.shards import TENSORS, HiddenStateShard
+from drafter.contracts.shards import TENSORS, HiddenStateShard
 from drafter.stage_output import StageOutput, to_jsonl
+from drafter.stages import TABLE
 from drafter.stages import dump
 from drafter.store import FileStore
 from tests.fixtures.vllm_env import VLLM_CPU_ENV, vllm_py  # noqa: F401  (fixture)

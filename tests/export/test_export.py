@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from drafter.config import parse_config
 from drafter.errors import DrafterError
-from drafter.export.judge import JudgedTooLow, check, judge_export, prompts_from_conversations
+from drafter.contracts.prompts import prompts_from_conversations
+from drafter.export.judge import JudgedTooLow, check, judge_export
 from drafter.export.sglang import (
     SGLANG_CONFIG_FIELDS, ExportCheckFailed, ExportError, TargetInfo, check_sglang_export, sglang_layer_ids,
     write_sglang)

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from drafter.config import parse_config
-from drafter.export.judge import JudgedTooLow, check, judge_export, prompts_from_conversations
+from drafter.contracts.prompts import prompts_from_conversations
+from drafter.export.judge import JudgedTooLow, check, judge_export
 from drafter.export.vllm_judge import EnginesDisagree, agreement, judge_with_vllm
 from drafter.stages import export
 from drafter.store import FileStore

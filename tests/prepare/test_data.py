@@ -7,8 +7,9 @@ import json
 import pytest
 
 from drafter.config import DataSource
-from drafter.prepare.sources import (BadLine, ReadStats, RowError, SourceError, iter_json_array, normalise_row,
-                          read_source, source_identity, truncate_turns)
+from drafter.contracts.conversations import BadLine, ReadStats, RowError, SourceError, normalise_row
+from drafter.contracts.sharegpt import iter_json_array
+from drafter.prepare.sources import read_source, source_identity, truncate_turns
 
 ROWS = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i} ü"},
                                           {"from": "gpt", "value": f"answer {i}"}]} for i in range(5)]

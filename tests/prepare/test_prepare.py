@@ -9,7 +9,7 @@ import drafter.prepare.corpus as prepare_mod
 from drafter.stages import TABLE
 from drafter.config import DataConfig, DataSource, LifecycleConfig, StorageConfig, TargetConfig
 from drafter.formats import load_prepared
-from drafter.stage_output import StageResult
+from drafter.stage_result import StageResult
 from drafter.prepare.corpus import prepare_conversations, split_train_eval
 from drafter.stage_output import StageOutput
 from drafter.store import CorruptObject, FileStore, ObjectNotFound

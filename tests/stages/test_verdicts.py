@@ -7,7 +7,7 @@ from drafter.export.judge import JudgedTooLow
 from drafter.export.sglang import ExportCheckFailed
 from drafter.outputs import bench_verdict, champion_verdict, export_verdict
 from drafter.retrain.registry import RegistryError
-from drafter.stage_output import StageResult
+from drafter.stage_result import StageResult
 from drafter.stages import TABLE
 from drafter.store import StoreError
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.training.metrics import predicted_accept, summarize
+from drafter.contracts.accept import predicted_accept
+from drafter.training.metrics import summarize
 from drafter.training.ttt import doc_positions, step_loss_mask, step_stats
 
 K = 3

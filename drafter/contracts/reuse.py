@@ -12,8 +12,9 @@ the same key looks there for work already done:
   from it (sample granularity); only the rest is sent to the target.
 - dump, per shard (content-addressed by the records that go into it): an earlier dump shard made
   from exactly the same records is referenced (`StageOutput.link_shard`); the others are computed.
-  Dump shards follow the upstream's shards (a piece never spans two datagen shards), so the shards
-  a datagen output referenced produce the same pieces again.
+  Dump shards follow the upstream's shards (a piece never spans two datagen shards; the pieces are
+  cut by drafter.formats.dump_pieces), so the shards a datagen output referenced produce the same
+  pieces again.
 
 References are checked like our own shards (size on completeness, sha256 on every read), so
 deleting an earlier output makes the later one incomplete, and a re-run recomputes what is missing.
@@ -28,7 +29,6 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from drafter.formats import DATAGEN, read_conversations, shards_of_split
 from drafter.hashing import canonical_json, short_hash
 from drafter.stage_output import ObjectNotFound, ShardInfo, StageOutput
 from drafter.stage_output import fingerprint as stage_fingerprint
@@ -140,18 +140,6 @@ def linked_meta(meta: dict) -> dict:
 
 
 # ---- dump
-
-
-def dump_pieces(store: ObjectStore, upstream_stage: str, upstream_fp: str, split: str, size: int) -> list[list[dict]]:
-    """The records of one split cut into dump pieces of at most `size`, never across an upstream
-    shard (datagen's shards; prepare's split is one shard), so a referenced datagen shard yields the
-    pieces it yielded before."""
-    if upstream_stage == DATAGEN:
-        out = StageOutput.committed(store, DATAGEN, upstream_fp)
-        blocks = [out.read_jsonl(name) for name in shards_of_split(out.manifest, "gen", split)]
-    else:
-        blocks = [read_conversations(store, upstream_stage, upstream_fp, split)]
-    return [block[i:i + size] for block in blocks for i in range(0, len(block), size)]
 
 
 def records_digest(records: list[dict]) -> str:

@@ -1,4 +1,5 @@
-"""The hidden-state shard: one safetensors file holding many samples, unpadded.
+"""The hidden-state shard: one safetensors file holding many samples, unpadded (written by the
+dump stage, read by training).
 
 Tensors (T = tokens of all samples in the shard, N = samples, H = target hidden size):
     input_ids          [T]        int64
@@ -12,7 +13,7 @@ Tensors (T = tokens of all samples in the shard, N = samples, H = target hidden 
     offsets            [N + 1]    int64   sample i = rows offsets[i]:offsets[i+1]
 Metadata (JSON strings): format, format_version, sample_ids, aux_layer_ids, layer_id_convention.
 
-fp8 storage (format_version 2, metadata `storage_dtype: float8_e4m3`, see drafter.capture.fp8): the two
+fp8 storage (format_version 2, metadata `storage_dtype: float8_e4m3`, see drafter.contracts.fp8): the two
 state tensors are float8_e4m3fn and two more tensors hold their per-row float32 scales,
 `aux_scales` [T, 3] and `hidden_scales` [T]; metadata `dtype` names the dtype they decode to (the
 capture dtype). `HiddenStateShard.sample` decodes; `sample(i, decode=False)` hands the stored
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.capture import fp8
+from drafter.contracts import fp8
 from drafter.errors import DrafterError
 
 FORMAT = "drafter-hidden-states"
@@ -65,7 +66,7 @@ def tensor_names(storage_dtype: str) -> tuple[str, ...]:
     return TENSORS if storage_dtype == "model" else TENSORS + SCALES
 
 if sys.byteorder != "little":  # safetensors is little-endian; we write raw host bytes
-    raise ImportError("drafter.capture.shards needs a little-endian host")
+    raise ImportError("drafter.contracts.shards needs a little-endian host")
 
 
 class ShardFormatError(DrafterError, ValueError):
