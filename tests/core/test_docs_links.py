@@ -171,3 +171,47 @@ def test_the_layout_names_every_package_and_top_module():
                  if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))}
     unnamed = sorted(str(p.relative_to(ROOT)) for p in expected - named)
     assert unnamed == [], "the README's Layout does not name (add a line for each): " + ", ".join(unnamed)
+
+
+# The files and modules the pages name: `drafter/engines/base.py`, `tests/core/test_layers.py`,
+# `drafter.serving.session.ServerSession` must still be there after a move. Placeholders are not.
+PLACEHOLDERS = {"profiles/my.yaml", "profiles/x.yaml"}
+REPO_PATH = re.compile(
+    r"(?<![\w/.-])((?:drafter|tests|infra|benchmarks|flows|tasks|profiles|deployments|docs)/[\w./-]*[\w/])")
+MODULE = re.compile(r"(?<![\w/.-])(drafter(?:\.\w+)+)")
+
+
+def _defines(module: Path, name: str) -> bool:
+    return re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{name}\b|^\s*{name}\s*[:=]|^\s*(?:from|import)\b.*\b{name}\b",
+                     module.read_text(), re.M) is not None
+
+
+def _module_resolves(dotted: str) -> bool:
+    """drafter.a.b.name: a.b a package or module path under drafter/, name (if any) defined in it.
+    A first part that is neither (an event name such as drafter.promoted) is not a module reference."""
+    parts = dotted.split(".")
+    here = ROOT / parts[0]
+    if not ((here / parts[1]).is_dir() or (here / f"{parts[1]}.py").exists()):
+        return True
+    for part in parts[1:]:
+        if (here / part).is_dir():
+            here = here / part
+        elif here.is_dir() and (here / f"{part}.py").exists():
+            here = here / f"{part}.py"
+        else:
+            module = here / "__init__.py" if here.is_dir() else here
+            return module.exists() and _defines(module, part)
+    return True
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_and_module_a_page_names_exists(page):
+    missing = []
+    for i, line in enumerate(page.read_text().split("\n"), 1):
+        for path in REPO_PATH.findall(line):
+            if not any(c in path for c in "<*{") and path not in PLACEHOLDERS and not (ROOT / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}:{i}: {path}")
+        for dotted in MODULE.findall(line):
+            if not _module_resolves(dotted):
+                missing.append(f"{page.relative_to(ROOT)}:{i}: {dotted}")
+    assert missing == [], "named but not in the tree (moved? update the page):\n" + "\n".join(missing)
