@@ -4,7 +4,7 @@ answering one request at a time with a fixed latency (tests/fixtures/chat_server
 wall time is known: 3 shards x 2 requests x DELAY per child, in parallel.
 
     .venv/bin/python benchmarks/fanout_overhead.py [DELAY_S]    # default 1.0
-    .venv/bin/python benchmarks/fanout_overhead.py 1.0 --with-dump --keep-server   # the README's graph
+    .venv/bin/python benchmarks/fanout_overhead.py 1.0 --with-dump --keep-server   # the graph in docs/operations.md
 
 `--with-dump` fans the dump out as well (3 children), `--keep-server` leaves the server (with its UI)
 running and prints the run's page and the command that stops it.
