@@ -68,7 +68,7 @@ SLOW_MODULES = {
 }
 SLOW_FIXTURES = {
     "prefect_server",  # a Prefect test server (~11 s to start) and flow runs through it
-    "servers",  # tests/serving/test_reference_server.py: six real reference-server processes (~50 s)
+    "servers",  # tests/engines/test_reference_server.py: six real reference-server processes (~50 s)
 }
 
 

@@ -245,7 +245,7 @@ def test_sglang_ready_fatal_and_noise_lines():
     assert not engine.classify("[2025-05-02 16:14:33] Capture cuda graph bs [1, 2, 4, 8]")[3]
 
 
-# The end of SGLang 0.5.23's log for an EAGLE-3 launch on a CPU without AMX (tests/serving/test_sglang_server.py
+# The end of SGLang 0.5.23's log for an EAGLE-3 launch on a CPU without AMX (tests/engines/test_sglang_server.py
 # makes it for real), and for a scheduler SIGKILLed during start-up.
 SGLANG_EAGLE_ON_CPU_LOG = [
     "[2026-12-02 00:05:10] The current platform does not support Intel AMX, will fallback to torch_native backend.",
