@@ -46,7 +46,8 @@ def config_validate(files: list[Path] = typer.Argument(..., help="profiles to ch
     """Print every problem in each profile. Exit 1 if any profile is invalid; exit 5 if they are valid
     but name local paths missing on this machine (a profile for a cluster checked on a laptop:
     warnings, not problems); 0 otherwise."""
-    from drafter.config import path_problems, storage_problems
+    from drafter.config import path_problems
+    from drafter.store import storage_problems
     from drafter.errors import EXIT_PATHS_MISSING
     from drafter.secrets import secret_looking_env
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
 from drafter.config import LifecycleConfig, SpeculativeConfig
+# The server names and the interleave rule live with the configuration: the profile's port check asks them too.
+from drafter.config.lifecycle import Interleave, resolve_interleave
+from drafter.config.sections import BASELINE, server_key
 from drafter.engine_registry import make_engine
 from drafter.serving.errors import ServerConfigError
 
-BASELINE = "baseline"
-Interleave = Literal["concurrent", "relaunch"]
 # What each engine offers the bench (SGLang's /flush_cache, its /generate API, streaming, counters)
 # is asked of the engine: drafter.engines.base.Engine (flush_cache, client_style, streams,
 # reports_counters).
@@ -110,29 +110,12 @@ class SweepPlan:
                 "skipped": [s.to_dict() for s in self.skipped]}
 
 
-def server_key(spec: SpeculativeConfig | None) -> str:
-    """A stable name for shard paths: baseline, eagle3-auto, eagle3-s3-k1-d4."""
-    if spec is None:
-        return BASELINE
-    if not spec.is_set:
-        return f"{spec.algorithm.lower()}-auto"
-    return f"{spec.algorithm.lower()}-s{spec.num_steps}-k{spec.eagle_topk}-d{spec.num_draft_tokens}"
-
-
 def describe(spec: SpeculativeConfig | None) -> str:
     if spec is None:
         return "baseline (no speculation)"
     if not spec.is_set:
         return f"{spec.algorithm} (engine's default steps/topk/draft tokens)"
     return f"{spec.algorithm} {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}"
-
-
-def resolve_interleave(cfg: LifecycleConfig) -> Interleave:
-    mode = cfg.bench.interleave
-    if mode != "auto":
-        return mode
-    s = cfg.serve
-    return "concurrent" if make_engine(s.engine).servers_share_no_gpu(s) else "relaunch"
 
 
 def engine_problem(cfg: LifecycleConfig, spec: SpeculativeConfig, draft_path: str,

@@ -1,17 +1,21 @@
 """`LifecycleConfig`: every section together, and the checks that need more than one of them."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from drafter.config.base import ConfigError, Strict
+from drafter.config.registry_names import registry_name_problem
 from drafter.config.sections import (
     BenchConfig, DataConfig, DatagenConfig, DumpConfig, ExportConfig, RetrainConfig, ServeConfig, StorageConfig,
-    TrainConfig)
+    TrainConfig, server_key)
 from drafter.config.target import TargetConfig
+from drafter.engine_registry import make_engine
 from drafter.layers import aux_layer_id_problem, default_aux_layer_ids
-from drafter.retrain.registry_names import registry_name_problem
 
 MAX_PORT = 65535
+Interleave = Literal["concurrent", "relaunch"]
 
 
 class LifecycleConfig(Strict):
@@ -101,7 +105,8 @@ def port_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
     """Servers started on ports above `serve.port` must stay at or below 65535: a fanned-out stage's
     children serve on `serve.port + range index` (drafter.fanout.child_config, up to `workers` - 1),
     and the bench's concurrent interleave serves its servers at once on `serve.port + index`
-    (drafter.bench.plan: the baseline, every distinct `bench.speculative` setting once per drafter,
+    (drafter.bench.plan's rules, `server_key` and `resolve_interleave`, kept here so the profile's check
+    and the plan agree: the baseline, every distinct `bench.speculative` setting once per drafter,
     two drafters with `retrain.bench`, and each setting again per `bench.accept_curve` length).
 
     A check of the profile, made where one is read (`parse_config`, `load_config`: the CLI, `config
@@ -124,11 +129,18 @@ def port_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
     return problems
 
 
+def resolve_interleave(cfg: LifecycleConfig) -> Interleave:
+    """`bench.interleave`, with `auto` decided: `concurrent` where the engine's servers share no GPU."""
+    mode = cfg.bench.interleave
+    if mode != "auto":
+        return mode
+    s = cfg.serve
+    return "concurrent" if make_engine(s.engine).servers_share_no_gpu(s) else "relaunch"
+
+
 def bench_servers_at_most(cfg: LifecycleConfig) -> int | None:
     """How many servers the bench's sweep may run at once on consecutive ports (an upper bound: the
     plan may skip settings the engine refuses), None when it runs one at a time (relaunch)."""
-    from drafter.bench.plan import resolve_interleave, server_key  # the plan's own rules
-
     if resolve_interleave(cfg) != "concurrent":
         return None
     settings = len({server_key(spec) for spec in cfg.bench.speculative})

@@ -91,20 +91,6 @@ def path_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
     return problems
 
 
-def storage_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
-    """A `file://` store root this machine cannot use (a file, a path under a file, a folder we may
-    not write into or create): every command would fail on it, so `config validate` reports it as a
-    problem (`--offline` skips it with the other local checks). The rule is the store's own
-    (`drafter.store.local_root_problem`), which also refuses such a root when a store is opened."""
-    root = cfg.storage.root
-    if not root.startswith("file://"):
-        return []
-    from drafter.store import local_root_problem
-
-    problem = local_root_problem(root[len("file://"):], writable=True)
-    return [] if problem is None else [("storage.root", f"{root} {problem}")]
-
-
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node = data
     parts = dotted.split(".")

@@ -296,6 +296,19 @@ class SpeculativeConfig(Strict):
         return self.num_steps is not None
 
 
+BASELINE = "baseline"  # the bench's server without speculation
+
+
+def server_key(spec: SpeculativeConfig | None) -> str:
+    """A stable name for shard paths: baseline, eagle3-auto, eagle3-s3-k1-d4 (the bench plan's
+    server names; the profile's port check counts the distinct ones)."""
+    if spec is None:
+        return BASELINE
+    if not spec.is_set:
+        return f"{spec.algorithm.lower()}-auto"
+    return f"{spec.algorithm.lower()}-s{spec.num_steps}-k{spec.eagle_topk}-d{spec.num_draft_tokens}"
+
+
 class ServeConfig(Strict):
     engine: str = OutputField("reference", description="one of drafter.engine_registry.ENGINES")
     python: str | None = OperationalField(

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import TypeVar
 
+from drafter.config.registry_names import registry_name_problem
 from drafter.errors import DrafterError
 from drafter.formats import EXPORT
-from drafter.retrain.registry_names import registry_name_problem
 from drafter.stage_output import StageOutput, check_fingerprint
 from drafter.store import InvalidName, ObjectNotFound, ObjectStore
 

@@ -32,7 +32,7 @@ class Stage:
     description: str
     starts_servers: bool = False      # the flow reaps what a cancelled run of it left behind
     retries: int = 3                  # attempts after the first, for errors that are `retryable`
-    gate: bool = False                # its module's verdict(result, error) is published (drafter.outputs)
+    gate: bool = False                # its module's verdict(result, error) is published (drafter.stages.verdicts)
     unit: str = "item"                # what its progress counts (`drafter run`'s progress bar)
     fans_out: bool = False            # its module plans shards (`plan`): `<stage>.workers` > 1 fans them out
 

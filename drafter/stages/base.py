@@ -18,7 +18,7 @@ never commits.
 
 and optionally `exclusive(inputs, out)` (a context manager held from the second completeness check
 to the commit: train's one-run-per-output lock, which refuses a second run) and `verdict(result,
-error)` (a gate's verdict as markdown, drafter.outputs). `run_stage` does the rest once for all:
+error)` (a gate's verdict as markdown, drafter.stages.verdicts). `run_stage` does the rest once for all:
 skip a complete output, commit, summarise. A stage without stored output (fingerprint None: serve)
 returns its StageResult from `build(inputs, None)`.
 

@@ -41,6 +41,7 @@ from drafter.bench import BenchError
 from drafter.bench.answer import answer, deploy, deploy_section, ordered, setting_lines, with_answer
 from drafter.bench.plan import BASELINE, SweepPlan, plan_sweep
 from drafter.bench.predict import build_curves, fmt_speedup
+from drafter.bench.prompts import build_prompts
 from drafter.bench.report import head_to_head_rows, markdown, plot_png, table_rows
 from drafter.bench.stats import head_to_head
 from drafter.bench.stats import summarize as summarize_measurements
@@ -48,8 +49,7 @@ from drafter.bench.sweep import FIXES, Sweep, failure_name, hardware
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.engine_registry import make_engine
 from drafter.formats import EXPORT, PREPARE, load_prepared
-from drafter.bench.prompts import build_prompts
-from drafter.outputs import bench_verdict as verdict  # noqa: F401  (the gate's verdict, published by the task)
+from drafter.stages.verdicts import bench_verdict as verdict  # noqa: F401  (the gate's verdict, published by the task)
 from drafter.stage_output import StageOutput
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.stages.base import Built, StageContext, Summary

@@ -29,13 +29,13 @@ from pathlib import Path
 
 from drafter.bench.forecast import predicted_speedup_lines
 from drafter.config import LifecycleConfig, fingerprint_fields
+from drafter.formats import BENCH, BENCH_REPORT, EXPORT, PREPARE, download_export
 from drafter.formats import CHAMPION as STAGE
 from drafter.formats import CHAMPION_DECISION as DECISION
 from drafter.formats import CHAMPION_PLOT as PLOT
-from drafter.formats import BENCH, BENCH_REPORT, EXPORT, PREPARE, download_export
 from drafter.retrain.registry import Registry
 from drafter.retrain.verdict import bench_verdict, compare, plot_decisions
-from drafter.outputs import champion_verdict as verdict  # noqa: F401  (the gate's verdict, published by the task)
+from drafter.stages.verdicts import champion_verdict as verdict  # noqa: F401  (the gate's verdict, published by the task)
 from drafter.stage_output import Progress, StageOutput, guarded_progress
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.stages.base import Built, StageContext, Summary

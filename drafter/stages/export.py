@@ -36,7 +36,7 @@ from drafter.export.sglang import ExportError, TargetInfo, check_sglang_export, 
 from drafter.formats import DATAGEN, DUMP, PREPARE, TRAIN, download_trained_drafter
 from drafter.layers import LAYER_ID_CONVENTION
 from drafter.model import CONFIG_FILE, WEIGHTS_FILE
-from drafter.outputs import export_verdict as verdict  # noqa: F401  (the gate's verdict, published by the task)
+from drafter.stages.verdicts import export_verdict as verdict  # noqa: F401  (the gate's verdict, published by the task)
 from drafter.stage_output import Progress, StageOutput, guarded_progress
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.stages.base import Built, StageContext, Summary

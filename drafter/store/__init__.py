@@ -22,12 +22,13 @@ and recent Ceph RGW too; a server that ignores the headers makes the write uncon
 Retries on S3 come in two layers (botocore's per request, ours per operation): see `drafter.store.s3`.
 
 Modules: `errors` (what may be retried), `base` (the `ObjectStore` interface, key rules), `files`
-(atomic local writes), `local` (FileStore), `s3` (S3Store); `open_store` picks one from the config.
+(atomic local writes), `local` (FileStore), `s3` (S3Store); `open_store` picks one from the config,
+`storage_problems` is what `config validate` reports of its store root.
 """
 from __future__ import annotations
 
 from drafter.backoff import backoff_delay
-from drafter.config import StorageConfig
+from drafter.config import LifecycleConfig, StorageConfig
 from drafter.store.base import MiB, TMP_MARK, ObjectStore, check_key, check_prefix
 from drafter.store.errors import (
     BucketError, CorruptObject, CredentialsError, InvalidName, ObjectNotFound, OperationTimeout, StorageFull,
@@ -39,7 +40,7 @@ from drafter.store.s3 import S3Store
 __all__ = ["MiB", "TMP_MARK", "ObjectStore", "check_key", "check_prefix", "BucketError", "CorruptObject",
            "CredentialsError", "InvalidName", "ObjectNotFound", "OperationTimeout", "StorageFull", "StoreError",
            "StoreRootError", "repair_hint", "atomic_write", "FileStore", "S3Store", "open_store",
-           "local_root_problem", "backoff_delay"]
+           "local_root_problem", "storage_problems", "backoff_delay"]
 
 
 def open_store(cfg: StorageConfig, *, create: bool = True) -> ObjectStore:
@@ -61,3 +62,15 @@ def open_store(cfg: StorageConfig, *, create: bool = True) -> ObjectStore:
                        connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,
                        operation_timeout_s=cfg.operation_timeout_s)
     raise StoreError(f"storage.root: unsupported scheme in {root!r} (use file:// or s3://)")
+
+
+def storage_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
+    """A `file://` store root this machine cannot use (a file, a path under a file, a folder we may
+    not write into or create): every command would fail on it, so `config validate` reports it as a
+    problem (`--offline` skips it with the other local checks). The rule is the store's own
+    (`local_root_problem`), which also refuses such a root when a store is opened."""
+    root = cfg.storage.root
+    if not root.startswith("file://"):
+        return []
+    problem = local_root_problem(root[len("file://"):], writable=True)
+    return [] if problem is None else [("storage.root", f"{root} {problem}")]

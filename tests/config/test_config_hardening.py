@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from drafter.config import ConfigError, parse_config
+from drafter.config.registry_names import registry_name_problem
 from drafter.retrain.registry import Registry, RegistryError
-from drafter.retrain.registry_names import registry_name_problem
 from drafter.store import FileStore
 from tests.fixtures.cli import drafter, profile
 

@@ -1,14 +1,14 @@
-"""A gate's verdict text (drafter.outputs, named by the gate's row of the stage table): which
+"""A gate's verdict text (drafter.stages.verdicts, named by the gate's row of the stage table): which
 errors are the gate's refusal and which are failures, and what the markdown says either way."""
 import pytest
 
 from drafter.bench import BenchError
 from drafter.export.judge import JudgedTooLow
 from drafter.export.sglang import ExportCheckFailed
-from drafter.outputs import bench_verdict, champion_verdict, export_verdict
 from drafter.retrain.registry import RegistryError
 from drafter.stage_result import StageResult
 from drafter.stages import TABLE
+from drafter.stages.verdicts import bench_verdict, champion_verdict, export_verdict
 from drafter.store import StoreError
 
 

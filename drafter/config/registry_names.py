@@ -4,7 +4,8 @@ A name is one segment of the registry's key, `_registry/<target>/<name>.json`: l
 '.', '_' and '-', starting with a letter or digit, at most 100 characters (no spaces, no '/', no
 '..'). `drafter config validate` and the registry both ask `registry_name_problem`, so a name the
 registry would refuse is refused before any stage runs, not at the champion stage after all the
-expensive ones. Only the standard library: the configuration imports it.
+expensive ones. It lives with the configuration (which the registry, drafter.retrain.registry, may
+import; the configuration imports no stage). Only the standard library.
 """
 from __future__ import annotations
 
