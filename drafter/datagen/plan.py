@@ -1,11 +1,12 @@
 """What a datagen output is made of: per split, earlier shards referenced whole, then new shards
-of the remaining conversations (answers found in earlier shards filled in); the shards of a killed
-attempt that this plan does not name; the counts of the manifest; what the token ids say.
+of the remaining conversations (answers found in earlier shards filled in); the counts of the
+manifest; what the token ids say.
 """
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from drafter.config import LifecycleConfig
@@ -41,7 +42,7 @@ def counts(metas: list[dict]) -> dict[str, Any]:
             "retokenize_agreement": round(ids["same_tokens"] / measured, 4) if measured else None}
 
 
-def manifest_meta(cfg: LifecycleConfig, shards: dict[str, ShardInfo], plan: dict[str, list[str]],
+def manifest_meta(cfg: LifecycleConfig, shards: dict[str, ShardInfo], plan: Mapping[str, Sequence[str]],
                    prepare_fp: str, resumed: int, this_run: dict[str, Any], reused: dict) -> dict[str, Any]:
     """Top-level counts describe the train split (what the drafter learns from); `eval` the
     held-out split (regenerated the same way, for held-out metrics)."""
@@ -58,30 +59,6 @@ def manifest_meta(cfg: LifecycleConfig, shards: dict[str, ShardInfo], plan: dict
                        "request_timeout_s": d.request_timeout_s, "max_retries": d.max_retries},
         "throughput": this_run,  # this run only: shards resumed from an earlier run are not timed
     }
-
-
-def drop_unplanned(out: StageOutput, done: dict[str, ShardInfo], plan: dict[str, list[str]],
-                    todo: list[Shard]) -> None:
-    """Shards of a killed attempt that planned differently (the reusable history changed since)
-    would be committed with ours: remove what this plan does not name. Errors of a shard that is
-    redone go too (`_drop_stale_errors`)."""
-    keep = {name for names in plan.values() for name in names} | {reuse.KEYS_SHARD}
-    keep |= {name.replace("gen-", "errors-", 1) for name in keep}
-    for name in done:
-        if name not in keep:
-            out.drop_shard(name)
-    drop_stale_errors(out, done, todo)
-
-
-def drop_stale_errors(out: StageOutput, done: dict[str, ShardInfo], todo: list[Shard]) -> None:
-    """An `errors-i` whose `gen-i` never landed (killed in between) would be committed with the
-    redone shard and name conversations that are now fine: remove it before redoing shard i.
-    Removing the object is enough, a marker only counts while its shard exists."""
-    for shard in todo:
-        name = shard.error_name
-        if name in done:
-            out.store.delete(out.key(name))
-
 
 
 def plan_shards(store: ObjectStore, cfg: LifecycleConfig, prepare_fp: str, earlier: list[StageOutput]

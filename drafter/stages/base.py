@@ -9,12 +9,23 @@ A stage module (one per row of the table in drafter.stages) defines:
     build(inputs, out) -> Built             do the work into `out` (a StageOutput); what to commit
     summarize(inputs, out) -> Summary       its lines and table, from the committed output
 
-A stage whose work is independent shards (datagen, dump; `fans_out` in its row) defines
-`plan(inputs, out, owner) -> Work` instead of `build`: its shards in plan order, which are pending,
-how to compute some of them, and what to commit. The skeleton then computes them here, or, with
-`<stage>.workers` > 1 and a fan-out runner in the context (the Prefect task gives one), in child
-runs of contiguous ranges (drafter.fanout); a child runs `run_range`, which computes its range and
-never commits.
+A stage whose work is independent shards (datagen, dump; `fans_out` in its row) defines three
+parts instead of `build`:
+
+    plan(inputs, out) -> ShardPlan          its shards as data (drafter.shard_plan): the units in
+                                            plan order, what each is computed from, what is reused
+                                            from where
+    compute(inputs, out, plan, names, pending) -> dict
+                                            compute these pending units (with their markers);
+                                            `pending`: the units pending when this run planned;
+                                            returns this run's figures
+    finish(inputs, out, plan, figures, pending) -> Built
+                                            what to commit once none is pending
+
+The skeleton decides what is pending (drafter.shard_plan's one rule), takes the reused shards, then
+computes the rest here, or, with `<stage>.workers` > 1 and a fan-out runner in the context (the
+Prefect task gives one), in child runs of contiguous ranges (drafter.fanout); a child runs
+`run_range`, which computes the pending units of its range and never commits.
 
 and optionally `exclusive(inputs, out)` (a context manager held from the second completeness check
 to the commit: train's one-run-per-output lock, which refuses a second run) and `verdict(result,
@@ -40,7 +51,8 @@ from typing import Any
 
 from drafter.config import LifecycleConfig
 from drafter.errors import DrafterError
-from drafter.fanout import FanOut, Lease, PlanChanged, RangeTask, lease_key, plan_digest, split_ranges
+from drafter.fanout import FanOut, Lease, PlanChanged, RangeTask, lease_key, split_ranges
+from drafter.shard_plan import ShardPlan, drop_stale_companions, register, take_reused
 from drafter.stage_output import AlreadyCommitted, Progress, StageOutput
 from drafter.stage_result import StageResult
 from drafter.store import ObjectStore
@@ -98,31 +110,6 @@ class Summary:
     headline: str = ""
 
 
-@dataclass(frozen=True)
-class Work:
-    """A fan-out-able stage's plan: `units` its shards in plan order (ranges cut this list), each
-    computed from `inputs[i]` (a digest); `pending` those without a verified marker for this plan;
-    `compute(names)` computes some pending ones (returns this run's figures); `finish(figures)` what
-    to commit once none is pending."""
-
-    units: Sequence[str]
-    inputs: Sequence[str]
-    pending: Sequence[str]
-    compute: Callable[[Sequence[str]], dict]
-    finish: Callable[[dict], Built]
-
-    @property
-    def digest(self) -> str:
-        return plan_digest(self.units, self.inputs)
-
-    def unverified(self, out: StageOutput) -> list[str]:
-        """The units without a marker computed from their input now (no re-planning: the markers
-        record `input_digest`, the same digest `inputs` holds)."""
-        done = out.completed_shards()
-        return [u for u, d in zip(self.units, self.inputs)
-                if u not in done or done[u].meta.get("input_digest") != d]
-
-
 class RangesIncomplete(DrafterError):
     """Every child reported done, yet shards of the plan have no verified marker (a child wrote
     elsewhere, or its shards were removed meanwhile): nothing is committed."""
@@ -176,24 +163,39 @@ def _one_run_per_output(name: str, ctx: StageContext):
 
 
 def _build_planned(name: str, code: ModuleType, inputs, out: StageOutput, ctx: StageContext) -> Built:
-    """Compute the pending shards here, or fan them out in ranges; then what to commit."""
-    work = code.plan(inputs, out, owner=True)
+    """Take the reused shards, compute the pending ones here or fan them out in ranges; then what
+    to commit."""
+    plan: ShardPlan = code.plan(inputs, out)
+    done = out.completed_shards()
+    pending = plan.pending(done)
+    linked = set(take_reused(out, plan, done, pending))
+    local = [u for u in pending if u in plan.local and u not in linked]
+    if local:  # computed by this run whatever the workers (no worker needed)
+        code.compute(inputs, out, plan, local, pending)
+    todo = [u for u in pending if u not in linked and u not in plan.local]
     workers = getattr(ctx.cfg, name).workers
-    if work.pending and workers > 1 and ctx.fan_out is not None:
-        ranges = split_ranges(work.units, workers)
-        pending = set(work.pending)
-        todo = [r for r in ranges if pending & set(work.units[r.start:r.stop])]
-        fanned = ctx.fan_out(FanOut(name, out.fingerprint, dict(ctx.upstream), work.digest, todo, len(ranges)))
-        left = work.unverified(out)  # what the children wrote, as the store's markers say
+    if todo and workers > 1 and ctx.fan_out is not None:
+        ranges = split_ranges(plan.units, workers)
+        launch = [r for r in ranges if set(todo) & set(plan.units[r.start:r.stop])]
+        fanned = ctx.fan_out(FanOut(name, out.fingerprint, dict(ctx.upstream), plan.digest, launch, len(ranges)))
+        left = plan.pending(out.completed_shards())  # what the children wrote, as the store's markers say
         if left:
             raise RangesIncomplete(f"{name}: the children reported done but {len(left)} shards have no "
                                    f"verified marker (first: {left[0]}); nothing committed")
-        built = work.finish({})  # this run computed nothing itself
-        return replace(built, meta=_with_fan_out(built.meta, fanned))
-    if work.pending and workers > 1:
-        ctx.tell(f"{name}: {name}.workers = {workers} fans out only in the Prefect flow; computing all "
-                 f"{len(work.pending)} pending shards here")
-    return work.finish(work.compute(work.pending) if work.pending else {})
+        built = code.finish(inputs, out, plan, {}, pending)  # this run computed nothing itself
+        built = replace(built, meta=_with_fan_out(built.meta, fanned))
+    else:
+        if todo and workers > 1:
+            ctx.tell(f"{name}: {name}.workers = {workers} fans out only in the Prefect flow; computing all "
+                     f"{len(todo)} pending shards here")
+        built = code.finish(inputs, out, plan, code.compute(inputs, out, plan, todo, pending) if todo else {}, pending)
+    return replace(built, after_commit=_then(built.after_commit, lambda: register(out, plan)))
+
+
+def _then(first: Callable[[], None] | None, then: Callable[[], None]) -> Callable[[], None]:
+    if first is None:
+        return then
+    return lambda: (first(), then())
 
 
 def _with_fan_out(meta: dict | Callable[[dict], dict], fanned: dict) -> dict | Callable[[dict], dict]:
@@ -217,14 +219,17 @@ def run_range(name: str, code: ModuleType, ctx: StageContext, task: RangeTask) -
                                 summary=(f"{task.part.label}: output already committed",))
         if out.is_complete():
             return committed
-        work = code.plan(inputs, out, owner=False)
-        if work.digest != task.plan:
+        plan: ShardPlan = code.plan(inputs, out)
+        if plan.digest != task.plan:
             raise PlanChanged(f"{name}: {task.part.label}: the plan changed since the parent made it "
-                              f"({work.digest} != {task.plan}); the parent's next run plans again")
-        mine = set(work.units[task.part.start:task.part.stop])
-        names = [n for n in work.pending if n in mine]
+                              f"({plan.digest} != {task.plan}); the parent's next run plans again")
+        mine = set(plan.units[task.part.start:task.part.stop])
+        done = out.completed_shards()
+        pending = plan.pending(done)
+        names = [n for n in pending if n in mine and n not in plan.local]  # the parent computed the local ones
         try:
-            figures = work.compute(names) if names else {}
+            drop_stale_companions(out, plan, done, names)
+            figures = code.compute(inputs, out, plan, names, pending) if names else {}
         except AlreadyCommitted:
             if not out.is_complete():
                 raise

@@ -8,7 +8,7 @@ Output (`datagen/<fingerprint>/`):
   whichever servers (or fan-out children) gave them; the shard's marker counts, per server URL,
   the records whose last turn it answered (`servers`). Each assistant message is `{"role", "content"}` plus
   `"token_ids"`: the ids the engine generated for it, as returned (the stop token included when the
-  engine returns it), present only when the server returned ids (drafter.serving.engines
+  engine returns it), present only when the server returned ids (drafter.engines
   `answer_token_ids`). The dump trains on these ids and re-tokenises only records without them
   (drafter.tokenize); records written before ids were recorded simply have none;
 - `errors-00000.jsonl`, ...: `{"id", "reason", "attempts", "turn", "detail"}` for the
@@ -46,18 +46,20 @@ sequences the target may not emit).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from drafter.config import LifecycleConfig, fingerprint_fields
 from drafter.contracts import reuse
-from drafter.datagen.generate import RetokenizeCheck, generate, run_sync, with_servers, write_shard_files
-from drafter.datagen.plan import (RETOKENIZE_WARN_BELOW, drop_stale_errors, drop_unplanned, manifest_meta, not_empty,
-                                  plan_shards, token_id_line, token_id_warnings)
+from drafter.datagen.generate import RetokenizeCheck, Shard, generate, run_sync, with_servers, write_shard_files
+from drafter.datagen.plan import (RETOKENIZE_WARN_BELOW, manifest_meta, not_empty, plan_shards, token_id_line,
+                                  token_id_warnings)
 from drafter.formats import DATAGEN as STAGE
 from drafter.formats import PREPARE, SPLITS, split_prefix
 from drafter.stage_output import StageOutput, to_jsonl
 from drafter.stage_output import fingerprint as stage_fingerprint
-from drafter.stages.base import Built, StageContext, Summary, Work
+from drafter.shard_plan import Reused, ShardPlan
+from drafter.stages.base import Built, StageContext, Summary
 from drafter.target_identity import target_identity
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ def needs(cfg: LifecycleConfig) -> tuple[str, ...]:
 class Inputs:
     ctx: StageContext
     settings: dict  # everything that determines the answers except the corpus (the reuse key's content)
+    check: RetokenizeCheck = field(compare=False)  # one per run: its tokenizer loads (or warns) once
 
 
 def inputs(ctx: StageContext) -> Inputs:
@@ -85,7 +88,7 @@ def inputs(ctx: StageContext) -> Inputs:
     # The answers depend on the target's weights and on the name requests use.
     target = {"served_name": cfg.target.served_name, **target_identity(cfg.target)}
     return Inputs(ctx, {"datagen": fingerprint_fields(cfg.datagen), "target": target, "splits": list(SPLITS),
-                        "records": DATAGEN_RECORD_VERSION})
+                        "records": DATAGEN_RECORD_VERSION}, RetokenizeCheck(cfg))
 
 
 def fingerprint(inputs: Inputs) -> str:
@@ -93,66 +96,83 @@ def fingerprint(inputs: Inputs) -> str:
     return stage_fingerprint(STAGE, inputs.settings, [inputs.ctx.upstream[PREPARE]])
 
 
-def plan(inputs: Inputs, out: StageOutput, owner: bool) -> Work:
-    """Regenerate the answers of both prepared splits (train, then the held-out eval split, whose
-    shards carry the prefix `eval-`) through `datagen.server_urls` (OpenAI-compatible), or, with
-    none given, through `serve.engine` serving the target alone, started by whoever computes the
-    shards (this run, or each fan-out child its own) through the server session and always torn
-    down. Resumes at the missing shards. The owner (the run that commits) references earlier
-    shards and writes the ones whose answers are all copied; a fan-out child only computes.
-    Computing raises DatagenServerDown, after saving every finished shard, when a server stops
-    answering. The context's `on_line` receives the start-up log lines of a server started here."""
-    ctx, cfg, store = inputs.ctx, inputs.ctx.cfg, inputs.ctx.store
-    prepare_fingerprint = ctx.upstream[PREPARE]
+@dataclass(frozen=True, kw_only=True)
+class DatagenShards(ShardPlan):
+    """The plan (drafter.shard_plan) plus what computing and committing read: the new shards'
+    conversations (answers found in earlier outputs filled in), every generated shard per split
+    (referenced ones first) and the conversation keys of the referenced ones."""
+
+    shards: tuple[Shard, ...]
+    asked: Mapping[str, int]  # per new shard, its conversations without an answer found earlier
+    names: Mapping[str, tuple[str, ...]]
+    linked_keys: Mapping[str, list[str]] = field(default_factory=dict)
+
+
+def plan(inputs: Inputs, out: StageOutput) -> DatagenShards:
+    """Per split, earlier shards whose conversations are all still in the corpus are reused whole;
+    the remaining conversations make new shards (drafter.datagen.plan), each computed from the keys
+    of its conversations; a new shard whose answers were all found earlier is written by the run
+    that commits (`local`), the others are asked. `errors-i` is `gen-i`'s companion."""
+    cfg, store = inputs.ctx.cfg, inputs.ctx.store
     key = reuse.reuse_key(STAGE, inputs.settings)
     earlier = reuse.earlier_outputs(store, STAGE, key, out.fingerprint)
-    shards, links = plan_shards(store, cfg, prepare_fingerprint, earlier)
-    names = {split: [name for name, _ in links if name.startswith(f"{split_prefix(split)}gen-")]
-             + [s.name for s in shards if s.split == split] for split in SPLITS}
-    done = out.completed_shards()
-    digest_of = lambda name: (done[name].meta.get("input_digest") if name in done else None)
-    todo = [s for s in shards if digest_of(s.name) != s.digest]
-    resumed = len(shards) - len(todo)
-    reused = {"earlier_outputs": [o.fingerprint for o in earlier], "linked_shards": len(links),
-              "linked_conversations": sum(len(link.keys) for _, link in links),
-              "copied_conversations": sum(len(s.conversations) - s.remaining for s in shards),
-              "asked_conversations": sum(s.remaining for s in todo)}
-    check = RetokenizeCheck(cfg)
-    if owner:
-        for name, link in links:
-            if digest_of(name) != reuse.digest(link.keys):
-                out.store.delete(out.key(name.replace("gen-", "errors-", 1)))  # a killed attempt's
-                out.link_shard(name, link.source, link.source_name,
-                               meta={**reuse.linked_meta(link.source.manifest.shard(link.source_name).meta),
-                                     "input_digest": reuse.digest(link.keys)})
-        drop_unplanned(out, done, names, todo)
-        for shard in [s for s in todo if not s.remaining]:  # every answer copied: nothing to ask
-            write_shard_files(out, shard, list(shard.records), [], check)
-    asked = [s for s in todo if s.remaining]
+    shards, links = plan_shards(store, cfg, inputs.ctx.upstream[PREPARE], earlier)
+    names = {split: tuple([name for name, _ in links if name.startswith(f"{split_prefix(split)}gen-")]
+                          + [s.name for s in shards if s.split == split]) for split in SPLITS}
+    reused = []
+    for name, link in links:
+        digest = reuse.digest(link.keys)
+        reused.append(Reused(name, digest, link.source, link.source_name,
+                             meta={**reuse.linked_meta(link.source.manifest.shard(link.source_name).meta),
+                                   "input_digest": digest}))
+    return DatagenShards(units=tuple(s.name for s in shards), inputs=tuple(s.digest for s in shards),
+                         reused=tuple(reused), earlier=tuple(earlier), reuse_key=key,
+                         local=frozenset(s.name for s in shards if not s.remaining),
+                         asked={s.name: s.remaining for s in shards},
+                         companions={n: n.replace("gen-", "errors-", 1) for split in SPLITS for n in names[split]},
+                         also=frozenset({reuse.KEYS_SHARD}), shards=tuple(shards), names=names,
+                         linked_keys={name: link.keys for name, link in links})
 
-    def compute(wanted) -> dict:
-        mine = [s for s in asked if s.name in set(wanted)]
-        drop_stale_errors(out, done, mine)
-        if resumed:
-            log.info("datagen: resuming %s, %d of %d shards already done", out.uri, resumed, len(shards))
-        total = sum(len(s.conversations) for s in shards)
-        done_before = total - sum(len(s.conversations) for s in mine)
-        ask = lambda urls: run_sync(generate(out, cfg, mine, urls, ctx.progress, done_before, total, check))
-        return with_servers(cfg, ask, ctx.on_line)
 
-    def finish(this_run: dict) -> Built:
-        # The keys of what each shard really holds (a conversation that failed is not in it).
-        linked_keys = {name: link.keys for name, link in links}
-        out.write_shard(reuse.KEYS_SHARD, to_jsonl(
-            {"shard": name, "keys": linked_keys.get(name) or [reuse.conversation_key(r) for r in out.read_jsonl(name)]}
-            for split in SPLITS for name in names[split]))
-        return Built(lambda committed: not_empty(cfg, manifest_meta(cfg, committed, names, prepare_fingerprint,
-                                                                    resumed, this_run, reused)),
-                     expect=[*names["train"], *names["eval"], reuse.KEYS_SHARD],
-                     after_commit=lambda: reuse.register(out, key))
+def compute(inputs: Inputs, out: StageOutput, plan: DatagenShards, wanted: Sequence[str],
+            pending: Sequence[str]) -> dict:
+    """Write the wanted shards: those whose answers are all copied directly; the others by asking
+    the target through `datagen.server_urls` (OpenAI-compatible), or, with none given, through
+    `serve.engine` serving the target alone, started here (this run, or each fan-out child its own)
+    through the server session and always torn down. Returns this run's throughput. Raises
+    DatagenServerDown, after saving every finished shard, when a server stops answering. The
+    context's `on_line` receives the start-up log lines of a server started here."""
+    ctx, cfg = inputs.ctx, inputs.ctx.cfg
+    wanted = set(wanted)
+    mine = [s for s in plan.shards if s.name in wanted]
+    for shard in [s for s in mine if s.name in plan.local]:  # every answer copied: nothing to ask
+        write_shard_files(out, shard, list(shard.records), [], inputs.check)
+    asked = [s for s in mine if s.name not in plan.local]
+    if not asked:
+        return {}
+    if resumed := len(plan.units) - len(pending):
+        log.info("datagen: resuming %s, %d of %d shards already done", out.uri, resumed, len(plan.shards))
+    total = sum(len(s.conversations) for s in plan.shards)
+    done_before = total - sum(len(s.conversations) for s in asked)
+    ask = lambda urls: run_sync(generate(out, cfg, asked, urls, ctx.progress, done_before, total, inputs.check))
+    return with_servers(cfg, ask, ctx.on_line)
 
-    return Work(units=[s.name for s in shards], inputs=[s.digest for s in shards],
-                pending=[s.name for s in asked], compute=compute, finish=finish)
+
+def finish(inputs: Inputs, out: StageOutput, plan: DatagenShards, this_run: dict, pending: Sequence[str]) -> Built:
+    """The conversation keys of each shard (for later outputs' reuse), then the manifest meta."""
+    cfg, names = inputs.ctx.cfg, plan.names
+    # The keys of what each shard really holds (a conversation that failed is not in it).
+    out.write_shard(reuse.KEYS_SHARD, to_jsonl(
+        {"shard": name, "keys": plan.linked_keys.get(name) or [reuse.conversation_key(r) for r in out.read_jsonl(name)]}
+        for split in SPLITS for name in names[split]))
+    reused = {"earlier_outputs": [o.fingerprint for o in plan.earlier], "linked_shards": len(plan.reused),
+              "linked_conversations": sum(len(keys) for keys in plan.linked_keys.values()),
+              "copied_conversations": sum(len(s.conversations) - plan.asked[s.name] for s in plan.shards),
+              "asked_conversations": sum(plan.asked[name] for name in pending)}
+    resumed = len(plan.units) - len(pending)
+    return Built(lambda committed: not_empty(cfg, manifest_meta(cfg, committed, names, inputs.ctx.upstream[PREPARE],
+                                                                resumed, this_run, reused)),
+                 expect=[*names["train"], *names["eval"], reuse.KEYS_SHARD])
 
 
 def summarize(inputs: Inputs, out: StageOutput) -> Summary:

@@ -46,6 +46,7 @@ bytes, format_version 2), encoded on the device; readers decode to the capture d
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from drafter.capture.plan import DumpPlan, plan_dump, summarize as summarize_shards
@@ -57,7 +58,8 @@ from drafter.formats import SPLITS, dump_pieces
 from drafter.formats import DUMP as STAGE
 from drafter.formats import hidden_state_shard_name as shard_name
 from drafter.stage_output import StageOutput
-from drafter.stages.base import Built, StageContext, Summary, Work
+from drafter.shard_plan import Reused, ShardPlan
+from drafter.stages.base import Built, StageContext, Summary
 
 log = logging.getLogger(__name__)
 
@@ -80,52 +82,54 @@ def fingerprint(inputs: Inputs) -> str:
     return inputs.plan.fingerprint
 
 
-def plan(inputs: Inputs, out: StageOutput, owner: bool) -> Work:
-    """Capture the hidden states of `dump.upstream`'s conversations on `dump.devices`; resume at
-    the first unverified shard. The owner (the run that commits) drops a killed attempt's shards of
-    another plan and references pieces an earlier dump already computed; a fan-out child only computes."""
-    cfg, store, plan, progress = inputs.ctx.cfg, inputs.ctx.store, inputs.plan, inputs.ctx.progress
-    upstream_stage, upstream_fingerprint = plan.upstream_stage, plan.upstream_fingerprint
-    # Train shards first, then the (small) held-out split the trainer evaluates on.
+@dataclass(frozen=True, kw_only=True)
+class DumpShards(ShardPlan):
+    """The plan (drafter.shard_plan) plus what computing reads: each shard's (split, piece index)
+    and records, and the shard names per split."""
+
+    jobs: Mapping[str, tuple[str, int]]
+    pieces: Mapping[str, list[list[dict]]]
+    names: Mapping[str, tuple[str, ...]]
+
+
+def plan(inputs: Inputs, out: StageOutput) -> DumpShards:
+    """Each upstream shard cut into pieces (drafter.formats.dump_pieces), train first, then the
+    (small) held-out split the trainer evaluates on; shard i of a split is piece i, computed from
+    its records (their digest); a piece an earlier dump of the same settings computed from the same
+    records is reused from it."""
+    store, dump = inputs.ctx.store, inputs.plan
+    upstream_stage, upstream_fingerprint = dump.upstream_stage, dump.upstream_fingerprint
     pieces = {split: dump_pieces(store, upstream_stage, upstream_fingerprint, split,
-                                 cfg.dump.samples_per_shard) for split in SPLITS}
+                                 inputs.ctx.cfg.dump.samples_per_shard) for split in SPLITS}
     if not pieces["train"]:
         raise EmptyUpstream(f"{upstream_stage}/{upstream_fingerprint} holds no conversations")
-    jobs = [(split, i) for split in SPLITS for i in range(len(pieces[split]))]
-    names = {split: [shard_name(i, split) for s, i in jobs if s == split] for split in SPLITS}
-    digests = {(split, i): reuse.records_digest(pieces[split][i]) for split, i in jobs}
-    done = out.completed_shards()
-    # A shard counts as done only when it was computed from this plan's records.
-    pending = [(split, i) for split, i in jobs
-               if shard_name(i, split) not in done
-               or done[shard_name(i, split)].meta.get("input_digest") != digests[(split, i)]]
-    key = reuse.reuse_key(STAGE, plan.settings)
-    earlier = reuse.earlier_outputs(store, STAGE, key, out.fingerprint) if owner else []
-    if owner:
-        for name in set(done) - {shard_name(i, split) for split, i in jobs}:
-            out.drop_shard(name)  # a killed attempt planned with other pieces: never commit it
-        found = reuse.dump_index(earlier)
-        for split, i in [j for j in pending if digests[j] in found]:
-            out.link_shard(shard_name(i, split), *found[digests[(split, i)]])
-        pending = [j for j in pending if digests[j] not in found]
-    by_name = {shard_name(i, split): (split, i) for split, i in jobs}
+    jobs = {shard_name(i, split): (split, i) for split in SPLITS for i in range(len(pieces[split]))}
+    digests = {name: reuse.records_digest(pieces[split][i]) for name, (split, i) in jobs.items()}
+    key = reuse.reuse_key(STAGE, dump.settings)
+    earlier = reuse.earlier_outputs(store, STAGE, key, out.fingerprint)
+    found = reuse.dump_index(earlier)
+    return DumpShards(units=tuple(jobs), inputs=tuple(digests.values()), earlier=tuple(earlier), reuse_key=key,
+                      reused=tuple(Reused(name, d, *found[d]) for name, d in digests.items() if d in found),
+                      jobs=jobs, pieces=pieces,
+                      names={split: tuple(n for n, (s, _) in jobs.items() if s == split) for split in SPLITS})
 
-    def compute(wanted) -> dict:
-        mine = [by_name[n] for n in wanted]
-        log.info("dump %s: %d of %d shards to compute on %s", out.uri, len(mine), len(jobs),
-                 ", ".join(map(str, plan.devices[:len(mine)])))
-        run_workers(plan, out, mine, {j: pieces[j[0]][j[1]] for j in mine}, progress, len(jobs) - len(mine),
-                    len(jobs))
-        return {}
 
-    def finish(figures: dict) -> Built:
-        return Built(lambda shards: {**summarize_shards(plan, [shards[n] for n in names["train"]],
-                                                        [shards[n] for n in names["eval"]]),
-                                     "reuse": reuse.dump_reuse_meta(earlier, shards.values()), **figures},
-                     expect=[shard_name(i, split) for split, i in jobs], after_commit=lambda: reuse.register(out, key))
+def compute(inputs: Inputs, out: StageOutput, plan: DumpShards, wanted: Sequence[str], pending: Sequence[str]) -> dict:
+    """Capture the hidden states of the wanted shards on `dump.devices` (drafter.capture.workers)."""
+    dump, mine, total = inputs.plan, [plan.jobs[n] for n in wanted], len(plan.units)
+    log.info("dump %s: %d of %d shards to compute on %s", out.uri, len(mine), total,
+             ", ".join(map(str, dump.devices[:len(mine)])))
+    run_workers(dump, out, mine, {j: plan.pieces[j[0]][j[1]] for j in mine}, inputs.ctx.progress, total - len(mine),
+                total)
+    return {}
 
-    return Work(units=[shard_name(i, split) for split, i in jobs], inputs=[digests[j] for j in jobs],
-                pending=[shard_name(i, split) for split, i in pending], compute=compute, finish=finish)
+
+def finish(inputs: Inputs, out: StageOutput, plan: DumpShards, figures: dict, pending: Sequence[str]) -> Built:
+    """The manifest meta, summed from the shard markers."""
+    return Built(lambda shards: {**summarize_shards(inputs.plan, [shards[n] for n in plan.names["train"]],
+                                                    [shards[n] for n in plan.names["eval"]]),
+                                 "reuse": reuse.dump_reuse_meta(plan.earlier, shards.values()), **figures},
+                 expect=list(plan.units))
 
 
 class EmptyUpstream(DrafterError, ValueError):

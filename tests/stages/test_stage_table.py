@@ -51,11 +51,11 @@ def test_every_stage_module_has_the_contract():
     for stage in STAGES:
         code = stage.code
         stores = code.fingerprint.__annotations__.get("return") != "None"  # serve: no stored output
-        # a stage that fans out plans its shards (`plan`); the skeleton builds from that plan
-        work = "plan" if stage.fans_out else "build"
-        for part in ("needs", "inputs", "fingerprint", work, *(("summarize",) if stores else ())):
+        # a stage that fans out plans its shards (`plan`, `compute`, `finish`); the skeleton builds from that plan
+        work = ("plan", "compute", "finish") if stage.fans_out else ("build",)
+        for part in ("needs", "inputs", "fingerprint", *work, *(("summarize",) if stores else ())):
             assert callable(getattr(code, part, None)), (stage.name, part)
-        assert not hasattr(code, {"plan": "build", "build": "plan"}[work]), stage.name
+        assert not hasattr(code, "build" if stage.fans_out else "plan"), stage.name
         if stage.fans_out:
             assert "workers" in LifecycleConfig.model_fields[stage.name].annotation.model_fields, stage.name
         assert not hasattr(code, "run"), f"{stage.name}: the table runs the skeleton, not the module"
