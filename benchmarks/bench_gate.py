@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from drafter.engines import LaunchSpec, make_engine
-from drafter.serving.errors import ServerStalled
+from drafter.server_errors import ServerStalled
 from drafter.serving.gate import wait_until_ready
 from drafter.serving.launcher import ServerProcess, launch
 

@@ -78,7 +78,7 @@ def _engine_decides(cfg: LifecycleConfig, path: Path) -> str:
     the installed SGLang resolves them and names the layers it captures); a disagreement with our
     rules is a problem of the profile. Says which source decided."""
     from drafter.engine_registry import make_engine
-    from drafter.serving.errors import ServerConfigError
+    from drafter.server_errors import ServerConfigError
 
     try:
         return make_engine(cfg.serve.engine).validate_profile(cfg)

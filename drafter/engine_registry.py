@@ -10,10 +10,6 @@ Tests add an engine the same way (`monkeypatch.setitem(ENGINES, name, "module:Cl
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from drafter.engines.base import Engine
 
 # name -> "module:Class", in the order the configuration lists them
 ENGINES: dict[str, str] = {
@@ -33,17 +29,19 @@ def unknown_engine(name: object) -> str:
     return f"unknown engine {name!r} (known: {', '.join(sorted(ENGINES))})"
 
 
-def engine_class(name: str) -> "type[Engine]":
+def engine_class(name: str) -> type:
+    """The engine class named `name` (a drafter.engines.base.Engine subclass), imported now."""
     try:
         where = ENGINES[name]
     except (KeyError, TypeError):
-        from drafter.serving.errors import ServerConfigError
+        from drafter.server_errors import ServerConfigError
 
         raise ServerConfigError(unknown_engine(name)) from None
     module, _, cls = where.partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
-def make_engine(name: str) -> "Engine":
-    """The engine named `name` (ServerConfigError, one line, for a name not in `ENGINES`)."""
+def make_engine(name: str):
+    """The engine named `name`, a drafter.engines.base.Engine (ServerConfigError, one line, for a
+    name not in `ENGINES`)."""
     return engine_class(name)()

@@ -28,7 +28,7 @@ from drafter.config import LifecycleConfig, SpeculativeConfig
 from drafter.config.lifecycle import Interleave, resolve_interleave
 from drafter.config.sections import BASELINE, server_key
 from drafter.engine_registry import make_engine
-from drafter.serving.errors import ServerConfigError
+from drafter.server_errors import ServerConfigError
 
 # What each engine offers the bench (SGLang's /flush_cache, its /generate API, streaming, counters)
 # is asked of the engine: drafter.engines.base.Engine (flush_cache, client_style, streams,

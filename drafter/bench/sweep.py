@@ -39,7 +39,7 @@ from drafter.config import LifecycleConfig
 from drafter.engine_registry import make_engine
 from drafter.errors import is_retryable
 from drafter.secrets import Redactor, redact_obj
-from drafter.serving.errors import ServerConfigError, ServerStartError
+from drafter.server_errors import ServerConfigError, ServerStartError
 from drafter.serving.host import port_free
 from drafter.serving.session import ServedServer, ServerSession
 from drafter.stage_output import Progress, StageOutput, guarded_progress

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Literal, Mapping, NamedTuple, Sequence
 import httpx
 
 from drafter.config import LifecycleConfig, SpeculativeConfig
-from drafter.serving.errors import ServerConfigError
+from drafter.server_errors import ServerConfigError
 
 GenerateStyle = Literal["sglang", "openai"]
 
@@ -370,7 +370,7 @@ def keep_secret_placeholders(arg: str) -> str:
 
 
 def _launch_env(cfg: LifecycleConfig) -> tuple[dict[str, str], dict[str, str]]:
-    from drafter.serving.launch_env import launch_overrides
+    from drafter.launch_env import launch_overrides
 
     overrides = launch_overrides(cfg.serve.env)
     return {**os.environ, **overrides}, overrides

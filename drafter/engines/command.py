@@ -9,7 +9,7 @@ import httpx
 from drafter.engines.base import (Engine, GenerateStyle, LaunchSpec, Phase, _forced, _launch_env, _no_faults,
                                   _probe_host, _rx, keep_secret_placeholders, speculative_flags)
 from drafter.engines.sglang import sglang_server_info, sglang_settings_from_info
-from drafter.serving.errors import ServerConfigError
+from drafter.server_errors import ServerConfigError
 
 GENERIC_PHASES: tuple[Phase, ...] = (
     Phase("launch", None),

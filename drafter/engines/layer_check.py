@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from drafter.layers import READ_VERSIONS, UnknownLayerIdRule, engine_layer_ids
-from drafter.serving.errors import ServerConfigError
+from drafter.server_errors import ServerConfigError
 
 PROVENANCE_KEY = "drafter_lifecycle"  # where the export records our ids (drafter.export.sglang)
 _PROBE = """

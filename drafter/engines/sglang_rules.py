@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from drafter.config import ConfigError, SpeculativeConfig
 from drafter.layers import READ_VERSIONS, UnknownLayerIdRule, engine_layer_ids
-from drafter.serving.errors import ServerConfigError
+from drafter.server_errors import ServerConfigError
 from drafter.engines.layer_check import installed_version, target_architecture
 
 PROBE = Path(__file__).with_name("sglang_probe.py")

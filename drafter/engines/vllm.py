@@ -14,7 +14,7 @@ import httpx
 from drafter.config import SpeculativeConfig
 from drafter.engines.base import (BatchSetting, ConfigErrorLine, Engine, ForcedAcceptance, GenerateStyle,
                                   PerBatchConfig, Phase, _option_flags, _rx, _speculates, engine_python)
-from drafter.serving.errors import ServerConfigError
+from drafter.server_errors import ServerConfigError
 from drafter.engines.metrics import counters_delta, vllm_accept_length, vllm_spec_counters
 
 # ServeConfig field -> engine flag (see _option_flags; sglang.SGLANG_OPTION_FLAGS is the same table for SGLang).

@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from drafter.config import LifecycleConfig
-from drafter.serving.errors import ServerStartError
+from drafter.server_errors import ServerStartError
 from drafter.serving.launcher import OnLine, launch_file
 from drafter.serving.session import ServerSession, serve_until_interrupted
 

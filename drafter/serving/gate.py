@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import httpx
 
 from drafter.engines.base import Engine, LaunchSpec, generate_one_token
-from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled
+from drafter.server_errors import HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.launcher import ServerProcess
 
 CHECKS = ("health", "model listing", "generation")

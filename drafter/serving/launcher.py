@@ -35,7 +35,7 @@ from drafter.secrets import Redactor, mask_env, redact_argv, redact_obj, secret_
 from drafter import procs
 from drafter.engine_registry import make_engine
 from drafter.engines.base import Engine, LaunchSpec
-from drafter.serving.errors import ServerConfigError, TeardownError
+from drafter.server_errors import ServerConfigError, TeardownError
 from drafter.serving.host import gpu_state, port_free
 from drafter.serving.ownership import (TeardownReport, argv_digest, current_owner, pid_file, port_in_use, reap,
                                        verify_released)

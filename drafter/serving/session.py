@@ -28,7 +28,7 @@ from drafter.config import LifecycleConfig
 from drafter.secrets import Redactor, expand_placeholders, redact_obj, resolve_all, secret_looking_env
 from drafter.engine_registry import make_engine
 from drafter.engines.base import check_speculative_settings, engine_python
-from drafter.serving.errors import ServerConfigError, ServerStartError, TeardownError
+from drafter.server_errors import ServerConfigError, ServerStartError, TeardownError
 from drafter.serving.gate import wait_until_ready
 from drafter.serving.launcher import OnLine, ServerProcess, launch_file, preflight
 from drafter.serving.ownership import TeardownReport, reap_stale
@@ -229,7 +229,7 @@ def _redact_error(err: ServerStartError, redact: Redactor) -> None:
 def serve_until_interrupted(served: ServedServer, poll_s: float = 1.0) -> None:
     """Block while the server runs; raise ServerCrashed when it exits or logs a fatal line
     (a scheduler can die while the HTTP parent lives on). Ctrl-C / SIGTERM interrupt it."""
-    from drafter.serving.errors import ServerCrashed
+    from drafter.server_errors import ServerCrashed
 
     server = served.process
     while (code := server.poll()) is None and server.fatal_line is None:

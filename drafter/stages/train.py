@@ -36,7 +36,7 @@ from drafter.formats import DUMP, TRAIN_CURVES, TRAIN_METRICS, TRAINED_DRAFTER_F
 from drafter.formats import TRAIN as STAGE
 from drafter.retrain.registry import CHAMPION
 from drafter import procs
-from drafter.serving.launch_env import launch_overrides
+from drafter.launch_env import launch_overrides
 from drafter.stage_output import Progress, StageOutput
 from drafter.stage_output import fingerprint as stage_fingerprint
 from drafter.stages.base import Built, StageContext, Summary

@@ -137,7 +137,7 @@ def _fake_python(tmp_path, version: str) -> str:
 
 
 def test_serve_uses_the_installed_version_and_refuses_ids_it_would_read_one_layer_off(tmp_path):
-    from drafter.serving.errors import ServerConfigError
+    from drafter.server_errors import ServerConfigError
     from drafter.engines.layer_check import check_draft_layer_ids
 
     target = _target(tmp_path, "KimiK25ForConditionalGeneration")
@@ -171,7 +171,7 @@ def test_the_reference_engine_refuses_ids_it_would_read_wrong(tmp_path):
     target, are refused before launch (they used to crash it, retryable)."""
     import sys
 
-    from drafter.serving.errors import ServerConfigError
+    from drafter.server_errors import ServerConfigError
     from drafter.engines.layer_check import check_draft_layer_ids
 
     target = tmp_path / "target"

@@ -348,7 +348,7 @@ def test_config_errors():
 
 def test_task_retries_only_transient_failures():
     from drafter.errors import is_retryable as is_transient
-    from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, ServerCrashed
+    from drafter.server_errors import HealthCheckTimeout, ServerConfigError, ServerCrashed
     from drafter.store import CorruptObject, StoreError
 
     assert is_transient(DatagenServerDown("http://h:1", "connection: refused", 10))

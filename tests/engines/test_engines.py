@@ -15,7 +15,7 @@ from drafter.engines import (
     check_speculative_settings, counters_delta, make_engine, parse_prometheus, sglang_accept_length,
     sglang_avg_accept_length, sglang_settings_from_info, vllm_accept_length, vllm_settings_from_log,
     vllm_spec_counters)
-from drafter.serving.errors import (
+from drafter.server_errors import (
     HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled, ServerStartError)
 
 NCCL = {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring", "NCCL_P2P_LEVEL": "SYS", "NCCL_MAX_NCHANNELS": "16",

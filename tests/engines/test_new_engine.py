@@ -11,7 +11,7 @@ import pytest
 from drafter import engine_registry
 from drafter.config import ConfigError, parse_config
 from drafter.engine_registry import ENGINES, make_engine
-from drafter.serving.errors import ServerConfigError
+from drafter.server_errors import ServerConfigError
 from drafter.stage_output import StageOutput
 from drafter.stages import TABLE
 from tests.fixtures import fake_engine

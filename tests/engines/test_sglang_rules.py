@@ -21,7 +21,7 @@ from drafter.config import SpeculativeConfig, parse_config
 from drafter.layers import UnknownLayerIdRule, engine_layer_ids
 from drafter.engines import sglang_rules
 from drafter.engines import make_engine
-from drafter.serving.errors import ServerConfigError
+from drafter.server_errors import ServerConfigError
 from drafter.engines.sglang_rules import (RESOLVED_FIELDS, _launch_arguments, ask_sglang, check_with_sglang, layer_problems,
                                           predict_resolution, resolution_problems)
 from tests.fixtures.sglang_env import SGLANG_VERSION, sglang_env, sglang_py  # noqa: F401  (fixture)

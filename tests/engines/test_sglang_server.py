@@ -31,7 +31,7 @@ from drafter.config import parse_config
 from drafter.errors import is_retryable
 from drafter.engines import (SGLANG_PHASES, SGLangEngine, check_speculative_settings,
                                      sglang_settings_from_info)
-from drafter.serving.errors import ServerConfigError, ServerCrashed, ServerStalled
+from drafter.server_errors import ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.ownership import group_members
 from drafter.serving.session import ServerSession, serve_until_interrupted
 from tests.fixtures.layered import AUX, export_pair, layered_pair  # noqa: F401  (fixture)

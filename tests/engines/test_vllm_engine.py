@@ -17,7 +17,7 @@ import pytest
 from drafter.config import parse_config
 from drafter.errors import is_retryable
 from drafter.engines import check_speculative_settings, counters_delta, make_engine
-from drafter.serving.errors import ServerConfigError, ServerCrashed, ServerStalled
+from drafter.server_errors import ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.ownership import group_members
 from drafter.serving.session import ServerSession
 from tests.fixtures.layered import AUX, export_pair, layered_pair  # noqa: F401  (fixture)

@@ -17,7 +17,7 @@ import pytest
 
 from drafter import procs
 from drafter.serving.check import check_server
-from drafter.serving.errors import ServerConfigError
+from drafter.server_errors import ServerConfigError
 from drafter.serving.launcher import launch, launch_file
 from drafter.serving.ownership import argv_digest, pid_file, reap, reap_stale
 from drafter.serving.session import ServerSession

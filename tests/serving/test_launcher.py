@@ -22,7 +22,7 @@ import pytest
 from drafter.config import parse_config
 from drafter.serving.check import check_server, serve_forever
 from drafter.engines import check_speculative_settings
-from drafter.serving.errors import HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled
+from drafter.server_errors import HealthCheckTimeout, ServerConfigError, ServerCrashed, ServerStalled
 from drafter.serving.host import parse_compute_apps, port_free
 from drafter.serving.launcher import ServerProcess, launch, preflight
 from drafter.serving.ownership import group_members, pid_file

@@ -9,7 +9,7 @@ from prefect.testing.utilities import prefect_test_harness
 
 import drafter.stages.serve as serve_module
 from drafter.config import parse_config
-from drafter.serving.errors import ServerConfigError, ServerStalled
+from drafter.server_errors import ServerConfigError, ServerStalled
 from drafter.stages import TABLE
 from tasks.stage import stage_task
 from tests.fixtures.net import free_port

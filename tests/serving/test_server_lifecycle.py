@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from drafter.serving.check import check_server
-from drafter.serving.errors import HealthCheckTimeout, ServerConfigError
+from drafter.server_errors import HealthCheckTimeout, ServerConfigError
 from drafter.serving.launcher import launch, preflight
 from drafter.serving.ownership import group_members, reap
 from tests.fixtures.servers import ROOT, SGLANG, command_config, fake_spec, gate, wait_for_pid_file, wait_gone

@@ -6,7 +6,7 @@ import pytest
 
 from drafter.config import ConfigError
 from drafter.chat_client import DatagenServerDown
-from drafter.serving.errors import ServerConfigError, ServerStalled
+from drafter.server_errors import ServerConfigError, ServerStalled
 from drafter.stage_output import ManifestError
 from drafter.store import CorruptObject, ObjectNotFound, StoreError
 from tasks.common import retry_retryable

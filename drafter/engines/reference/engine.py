@@ -6,7 +6,7 @@ import sys
 
 from drafter.engines.base import ForcedAcceptance, _forced, _with_forced, speculative_flags
 from drafter.engines.sglang import SGLangEngine
-from drafter.serving.errors import ServerConfigError
+from drafter.server_errors import ServerConfigError
 
 
 class ReferenceEngine(SGLangEngine):
