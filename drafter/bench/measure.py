@@ -32,7 +32,7 @@ import httpx
 
 from drafter.errors import DrafterError
 from drafter.chat_client import RETRY_STATUS
-from drafter.engines import Engine, counters_delta, vllm_accept_length
+from drafter.engines import Engine, counters_delta
 
 Prompt = str | list[int]
 
@@ -233,7 +233,7 @@ def measure(base_url: str, api: ClientApi, prompts: Sequence[Prompt], *, batch_s
     accept = None
     if api.counters and before is not None and after is not None:
         delta = counters_delta(before, after)
-        accept = vllm_accept_length(delta)
+        accept = engine.accept_length(before, after)
         verify = int(delta["drafts"]) if delta["drafts"] else None
         if delta["drafts"]:
             per_position = {str(p): v / delta["drafts"] for p, v in delta["accepted_per_position"].items()}
