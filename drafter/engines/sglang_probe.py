@@ -25,9 +25,15 @@ import dataclasses
 import io
 import json
 import logging
+import os
 import sys
 import traceback
 from types import SimpleNamespace
+
+# Run as a script, this file's directory (drafter/engines/, which holds our own sglang.py) comes first
+# on sys.path and would shadow the installed sglang package: it is dropped before anything imports it.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 # SGLang model module and class per architecture (KimiK25 delegates to its language model, a DeepseekV3).
 MODEL_CLASSES = {
