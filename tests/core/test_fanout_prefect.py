@@ -204,21 +204,22 @@ def test_fanned_out_stages_survive_a_killed_worker_and_equal_one_worker(pool, ti
     workers = worker_pids(pool)
 
     def victim_on_another_worker():
-        # Only once every range's child beats its lease: none is then between "taken by a worker" and
-        # "started", which on the killed worker would wait out worker_start_timeout_s (900 s) to be lost.
-        beating = leases(store_dir, "datagen")
-        if len(beating) < 3:
-            return None
         runs = flow_run_processes()
-        for lease in (l for l in beating if l["beat"] >= 2):
+        for lease in (l for l in leases(store_dir, "datagen") if l["beat"] >= 2):
             try:
                 tags = api(pool, f"/flow_runs/{run_of(lease['pid'])}")["tags"]
             except (OSError, StopIteration):
                 continue
             parents = [t.split(":", 1)[1] for t in tags if t.startswith("drafter-fanout-of:")]
             worker = ancestor_in(lease["pid"], workers)
-            if worker is not None and worker not in {ancestor_in(runs[p], workers) for p in parents if p in runs}:
-                return lease, worker
+            if worker is None or worker in {ancestor_in(runs[p], workers) for p in parents if p in runs}:
+                continue
+            # Not while a child is taken by a worker but not started (Pending): on the killed worker it
+            # would wait out worker_start_timeout_s (900 s) before it counts as lost. A child still
+            # Scheduled is fine: only a live worker can take it.
+            if any(k["state_type"] == "PENDING" for p in parents for k in children(pool, p, "datagen")):
+                return None
+            return lease, worker
         return None
 
     victim, worker = wait_for("a datagen child mid-range on a worker without the parent", victim_on_another_worker,
