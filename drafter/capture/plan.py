@@ -47,7 +47,7 @@ class DumpPlan:
         can share shards computed from equal records: drafter.contracts.reuse)."""
         dump = fingerprint_fields(self.cfg.dump)
         del dump["aux_layer_ids"], dump["dtype"]  # in their resolved form below
-        storage = dump.pop("storage_dtype")  # the default leaves earlier dumps' fingerprints as they were
+        storage = dump.pop("storage_dtype")  # `model` is left out: dumps from before fp8 keep their fingerprints
         if storage != "model":
             dump["storage_dtype"] = storage
         return {"dump": dump, "dtype": dtype_name(self.dtype), "target": self.target_fingerprint,

@@ -130,9 +130,10 @@ class DumpConfig(FanOutFields):
     samples_per_shard: int = OutputField(256, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = OutputField("auto")
     storage_dtype: Literal["model", "float8_e4m3"] = OutputField(
-        "model", description="how hidden states are stored: in the capture dtype (model), or fp8 e4m3 with a "
-                             "float32 scale per token and state (about half the bytes; readers decode to the "
-                             "capture dtype)")
+        "float8_e4m3", description="how hidden states are stored: fp8 e4m3 with a float32 scale per token and "
+                                   "state (about half the bytes of bf16; readers decode to the capture dtype; "
+                                   "the drafter trained on it judged as good as bf16's, benchmarks/RESULTS.md), "
+                                   "or in the capture dtype (model)")
     devices: list[str] = OperationalField(default_factory=lambda: ["auto"],
                                description="one worker per device; 'auto' = every visible GPU, else cpu")
     spool_dir: str | None = OperationalField(

@@ -39,9 +39,9 @@ device a tokenizer thread works a shard ahead and upload threads behind a bounde
 finished shards to the store, so the device computes while earlier shards are copied, hashed and
 written (drafter.capture.pipeline).
 
-Storage: `dump.storage_dtype: model` stores the states in the capture dtype (format_version 1);
-`float8_e4m3` stores them in fp8 with a float32 scale per token and state (drafter.contracts.fp8, ~half the
-bytes, format_version 2), encoded on the device; readers decode to the capture dtype.
+Storage: `dump.storage_dtype: float8_e4m3` (the default) stores the states in fp8 with a float32 scale
+per token and state (drafter.contracts.fp8, ~half the bytes, format_version 2), encoded on the device;
+`model` stores them in the capture dtype (format_version 1); readers decode to the capture dtype.
 """
 from __future__ import annotations
 

@@ -162,3 +162,25 @@ def test_tokenizer_processes_give_the_same_shards(tmp_path, tiny_target, convs):
         result = run_dump(make_cfg(tiny_target, tokenize_processes=n, **spool), store, "prepare", fp)
         got[n] = shard_bytes(store, result.manifest)
     assert got[0] == got[1] and len(got[0]) == 3
+
+
+def test_fp8_is_the_default_and_a_model_dump_keeps_its_fingerprint(tiny_target):  # noqa: F811
+    """fp8 storage is the default (its drafter judged within 2% of bf16's: benchmarks/RESULTS.md);
+    a dump pinned to `model` has the settings, so the fingerprint, it had before the default
+    changed (the setting is left out), and an fp8 dump's settings name it."""
+    from drafter.capture.plan import DumpPlan
+    from drafter.config import parse_config
+
+    def settings(**dump):
+        cfg = parse_config({"target": {"path": str(tiny_target)}, "dump": {"aux_layer_ids": AUX, **dump},
+                            "train": {"draft_vocab_size": 256}})
+        plan = DumpPlan(cfg=cfg, upstream_stage="datagen", upstream_fingerprint="u", devices=[torch.device("cpu")],
+                        dtype=torch.bfloat16, aux_layer_ids=list(AUX), num_layers=4, hidden_size=64, tokenizer=None,
+                        target_fingerprint="t", tokenizer_hash="k", template_hash="c")
+        return cfg.dump.storage_dtype, plan.settings
+
+    (default, fp8_settings), (pinned, model_settings) = settings(), settings(storage_dtype="model")
+    assert (default, pinned) == ("float8_e4m3", "model")
+    assert "storage_dtype" not in model_settings["dump"] and model_settings["shard_format"][1] == 1
+    assert fp8_settings["dump"]["storage_dtype"] == "float8_e4m3" and fp8_settings["shard_format"][1] == 2
+    assert {k: v for k, v in fp8_settings["dump"].items() if k != "storage_dtype"} == model_settings["dump"]

@@ -55,7 +55,7 @@ def _run(target, store_root: Path, conversations, python: str, **dump_section):
     cfg = parse_config({
         "target": {"path": str(target), "dtype": "float32"},
         "dump": {"aux_layer_ids": AUX, "max_length": 160, "samples_per_shard": 3, "devices": ["cpu"],
-                 "upstream": "prepare", "python": python, **dump_section},
+                 "upstream": "prepare", "python": python, "storage_dtype": "model", **dump_section},
         "serve": {"env": VLLM_CPU_ENV}, "train": {"draft_vocab_size": 256}, "storage": {"root": f"file://{store_root}"}})
     return store, TABLE.run("dump", cfg, store, upstream={"prepare": "prep0000"})
 
