@@ -348,6 +348,26 @@ def outputs(config: Path = ConfigOpt) -> None:
                    f"{row['bytes'] / 1e6:>10.2f} MB  {row['created_at']}  {row['uri']}")
 
 
+@app.command("lineage")
+def lineage(output: str = typer.Argument(..., metavar="OUTPUT", help="STAGE/FINGERPRINT or a fingerprint "
+                                                                     "(prefix), as `drafter outputs` lists them"),
+            config: Path = ConfigOpt,
+            as_json: bool = typer.Option(False, "--json", help="print the record as JSON")) -> None:
+    """An output's whole chain: corpus sources and hashes, each stage's fingerprint and recorded
+    settings, the target, code and engine versions, the commands to re-run it and, for a drafter,
+    its judgement, bench verdicts and registry events."""
+    from drafter.lineage import lineage as build_lineage, to_text
+    from drafter.retrain.registry import list_registries
+    from drafter.secrets import Redactor, secret_values
+    from drafter.store import open_store
+
+    cfg = _load(config)
+    store = open_store(cfg.storage, create=False)
+    redact = Redactor(secret_values(cfg.serve.env, cfg.serve.extra_args))
+    record = build_lineage(store, output, profile=str(config), redact=redact, registries=list_registries(store))
+    typer.echo(json.dumps(record, indent=1, sort_keys=True) if as_json else to_text(record).rstrip("\n"))
+
+
 @app.command("verify")
 def verify(target: str = typer.Argument(..., help="a stage name (its output for --config) or an output URI, "
                                                  "e.g. file:///data/store/dump/ab12cd34ef56ab78"),
