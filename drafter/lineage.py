@@ -68,6 +68,11 @@ def resolve_output(store: ObjectStore, ref: str) -> StageOutput:
         check_fingerprint(fp)
     except InvalidName as err:
         raise LineageError(f"lineage {ref!r}: {err}") from None
+    if stage and len(fp) == 16:  # a whole STAGE/FINGERPRINT: no listing of the store
+        try:
+            return StageOutput.committed(store, stage, fp)
+        except ObjectNotFound:
+            pass
     outputs = committed_outputs(store)
     matches = [(s, f) for s, f in outputs if (not stage or s == stage) and f.startswith(fp)]
     if stage and (stage, fp) in matches:
@@ -206,22 +211,30 @@ def _node(out: StageOutput) -> dict:
 
 
 def _walk(store: ObjectStore, out: StageOutput) -> tuple[list[dict], list[str]]:
-    """The output and everything upstream of it, oldest first; recorded links not in the store."""
-    nodes, missing, todo = {}, [], [out]
-    while todo:
-        cur = todo.pop()
-        if (cur.stage, cur.fingerprint) in nodes:
-            continue
-        nodes[(cur.stage, cur.fingerprint)] = _node(cur)
+    """The output and everything upstream of it, each after what it read (older first among
+    siblings); the recorded links that are not in the store."""
+    nodes: dict[tuple[str, str], dict] = {}
+    order: list[tuple[str, str]] = []
+    missing: set[str] = set()
+
+    def visit(cur: StageOutput) -> None:
+        key = (cur.stage, cur.fingerprint)
+        nodes[key] = _node(cur)
+        ups = []
         for stage, fp in upstream_links(cur):
             if (stage, fp) in nodes:
                 continue
             try:
-                todo.append(StageOutput.committed(store, stage, fp))
+                ups.append(StageOutput.committed(store, stage, fp))
             except (ObjectNotFound, InvalidName, DrafterError):
-                missing.append(f"{stage}/{fp}")
-    chain = sorted(nodes.values(), key=lambda n: (n["created_at"], n["stage"]))
-    return chain, sorted(set(missing))
+                missing.add(f"{stage}/{fp}")
+        for up in sorted(ups, key=lambda o: o.manifest.created_at):
+            if (up.stage, up.fingerprint) not in nodes:
+                visit(up)
+        order.append(key)
+
+    visit(out)
+    return [nodes[k] for k in order], sorted(missing)
 
 
 def _corpus(chain: list[dict]) -> dict | None:

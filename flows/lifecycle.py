@@ -28,6 +28,7 @@ from drafter.stages import TABLE, Stage, StageTable
 from flows.parameters import Refused, resolve
 from tasks.common import failure_of, reap_left_servers
 from tasks.fanout import cancel_fanned_out_children
+from tasks.lineage import publish_lineage
 from tasks.orphans import crash_orphaned_subflows
 from tasks.stage import stage_task
 from tasks.target import ensure_target_task
@@ -111,8 +112,9 @@ def refuse(refused: Refused) -> State:
 
 
 def run_stages(table: StageTable, subflows: dict[str, Flow], cfg: LifecycleConfig,
-               stages) -> Union[dict[str, dict], State]:
-    """The target, then the selected stages in lifecycle order, each as its subflow; one summary.
+               stages, profile: Optional[str] = None) -> Union[dict[str, dict], State]:
+    """The target, then the selected stages in lifecycle order, each as its subflow; one summary,
+    and the lineage of the last output the run reached (`profile`: the re-run commands' --config).
     Returns every stage's result, or, when one failed, a Failed state naming it (the run's end)."""
     ordered = table.in_order(stages)
     results: dict[str, dict] = {}
@@ -140,6 +142,7 @@ def run_stages(table: StageTable, subflows: dict[str, Flow], cfg: LifecycleConfi
         ran[stage.name] = state
         fps.record(results[stage.name])
     _summarise(ordered, results, failure)
+    publish_lineage(cfg, results, [stage.name for stage in ordered], profile)
     if failure is None:
         return results
     get_run_logger().error(failure.line())
@@ -158,7 +161,7 @@ def lifecycle_flow(table: StageTable) -> Flow:
         if isinstance(resolved, Refused):  # a bad profile, no stage selected: one line, no traceback
             return refuse(resolved)
         cfg, stages = resolved
-        return run_stages(table, subflows, cfg, stages)
+        return run_stages(table, subflows, cfg, stages, profile if config is None else None)
 
     return flow(drafter_lifecycle, name="drafter-lifecycle", log_prints=True, **REAP)
 

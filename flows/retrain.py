@@ -32,7 +32,7 @@ def retrain_flow(table: StageTable) -> Flow:
         if isinstance(resolved, Refused):  # a bad profile, no stage selected: one line, no traceback
             return refuse(resolved)
         cfg, stages = resolved
-        results = run_stages(table, subflows, cfg, stages)
+        results = run_stages(table, subflows, cfg, stages, profile if config is None else None)
         if isinstance(results, State):  # a stage failed: the run ends with its reason
             return results
         if "champion" in results:
