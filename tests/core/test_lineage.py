@@ -191,3 +191,11 @@ def test_a_lifecycle_run_publishes_its_last_outputs_lineage(tmp_path, tiny_targe
     assert f"drafter run prepare --config {path}" in artifact.data
     assert f"prefect deployment run drafter-lifecycle/stage --param profile={path}" in artifact.data
     assert PLANTED not in artifact.data
+
+
+def test_a_store_that_does_not_exist_is_one_line_and_is_not_created(tmp_path, monkeypatch, capsys):
+    path = profile(tmp_path, storage={"root": f"file://{tmp_path}/nothere"})
+    code, out, err = drafter(monkeypatch, capsys, "lineage", "abcd", "--config", path)
+    assert code == 4 and out == "" and err.strip() == (f"error (ObjectNotFound): no store at "
+                                                       f"file://{tmp_path}/nothere: the directory does not exist")
+    assert not (tmp_path / "nothere").exists()
