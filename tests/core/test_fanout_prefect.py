@@ -192,7 +192,8 @@ def test_fanned_out_stages_survive_a_killed_worker_and_equal_one_worker(pool, ti
         fps.record(TABLE.run(stage, ref, fingerprints=fps))
 
     store_dir = tmp_path / "store"
-    fanned = profile(tmp_path, tiny_target, f"file://{store_dir}", workers=3, delay_s=0.5,
+    # 6 requests of 2 s per range: long enough on a loaded machine to catch a child mid-range
+    fanned = profile(tmp_path, tiny_target, f"file://{store_dir}", workers=3, delay_s=2.0,
                      base_port=free_port_block(3), name="fanned")
     proc = subprocess.Popen([PREFECT, "deployment", "run", "drafter-lifecycle/stage", "--param", f"profile={fanned}",
                              "--param", f"stages={STAGES}", "--watch", "--watch-timeout", "400"],
