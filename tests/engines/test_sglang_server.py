@@ -37,6 +37,7 @@ from drafter.serving.session import ServerSession, serve_until_interrupted
 from tests.fixtures.layered import AUX, export_pair, layered_pair  # noqa: F401  (fixture)
 from tests.fixtures.net import free_port
 from tests.fixtures.sglang_env import SGLANG_VERSION, sglang_env, sglang_py  # noqa: F401  (fixture)
+from tests.fixtures.stall import stop_group_after_launch
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # the dump's in-process capture
 
@@ -205,14 +206,8 @@ def test_a_stalled_real_sglang_is_detected_and_torn_down(layered_pair, sglang_py
     # the launch phase (imports, tokenizer, the scheduler's start) keeps a generous budget; every
     # later phase gets the short stall timeout
     cfg = _cfg(target, sglang_py, tmp_path, stall_timeout_s=10)
-    stopped = []
-
-    def on_line(line: str) -> None:
-        proc = session.process
-        if not stopped and proc is not None and proc.pgid is not None and proc.phase != "launch":
-            os.killpg(proc.pgid, signal.SIGSTOP)
-            stopped.append(proc.pgid)
-
+    stopped: list[int] = []
+    on_line = stop_group_after_launch(lambda: session, stopped)
     session = ServerSession(cfg, on_line=on_line, phase_budgets={"launch": 300}, grace_s=2.0,
                             check_teardown=False)
     with pytest.raises(ServerStalled) as err:

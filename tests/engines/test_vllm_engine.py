@@ -22,6 +22,7 @@ from drafter.serving.ownership import group_members
 from drafter.serving.session import ServerSession
 from tests.fixtures.layered import AUX, export_pair, layered_pair  # noqa: F401  (fixture)
 from tests.fixtures.net import free_port
+from tests.fixtures.stall import stop_group_after_launch
 from tests.fixtures.vllm_env import vllm_py, vllm_serve_section  # noqa: F401  (fixture)
 
 STEPS = 3
@@ -170,14 +171,8 @@ def test_a_stalled_real_vllm_is_detected_and_torn_down(exported, vllm_py, tmp_pa
     # The 30 s budget is what is tested (no progress in a phase = hung); reaching the first phase
     # (imports, slow on a busy machine) gets a generous budget of its own, not the tested one.
     cfg = _cfg(target, vllm_py, tmp_path, stall_timeout_s=30)
-    stopped = []
-
-    def on_line(line: str) -> None:
-        proc = session.process
-        if not stopped and proc is not None and proc.pgid is not None and proc.phase != "launch":
-            os.killpg(proc.pgid, signal.SIGSTOP)
-            stopped.append(proc.pgid)
-
+    stopped: list[int] = []
+    on_line = stop_group_after_launch(lambda: session, stopped)
     session = ServerSession(cfg, on_line=on_line, grace_s=2.0, check_teardown=False, phase_budgets={"launch": 600})
     with pytest.raises(ServerStalled) as err:
         with session:
