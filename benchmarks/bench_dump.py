@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from drafter.capture import backends, base, hf
-from drafter.config import DemoTargetConfig, TargetConfig, parse_config
+from drafter.config import DemoTargetConfig, DumpConfig, TargetConfig, parse_config
 from drafter.demo_target import build_demo_target, build_tokenizer
 from drafter.contracts.shards import project_corpus
 from drafter.stage_output import StageOutput, to_jsonl
@@ -185,7 +185,10 @@ def forward_only(path: Path, cfg, samples: list[dict], args) -> dict:
     t = time.perf_counter()
     seqs = [tokenize_conversation(plan.tokenizer, c["messages"], args.max_length)[0] for c in samples]
     t_tok = time.perf_counter() - t
+    t = time.perf_counter()
     cm = hf.load_capture_model(str(path), plan.devices[0], plan.dtype, plan.aux_layer_ids)
+    _sync(cm.device)
+    t_load = time.perf_counter() - t
     tokens = sum(map(len, seqs))
     shards = [seqs[i:i + args.samples_per_shard] for i in range(0, len(seqs), args.samples_per_shard)]
     runs = [(shard, batch) for shard in shards for batch in base.plan_batches(list(map(len, shard)),
@@ -201,6 +204,7 @@ def forward_only(path: Path, cfg, samples: list[dict], args) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"forward_tokens_per_s": round(tokens / t_fwd, 1), "forward_device": str(plan.devices[0]),
+            "model_load_s": round(t_load, 2),
             "tokenise_tokens_per_s_1_thread": round(tokens / t_tok, 1)}
 
 
@@ -230,13 +234,19 @@ def machine_baseline(store_dir: str | None) -> dict:
 
 def ceiling(row: dict, machine: dict) -> dict:
     """What the dump could reach: min(forward only, the store's raw write speed / bytes per token),
-    both measured in this run, and the share of it reached end to end and in the steady state."""
+    both measured in this run, and the share of it reached end to end and in the steady state.
+    A run of this size also pays the model load once (measured by the forward-only pass): the
+    end-to-end ceiling is the tokens over (load + tokens at the ceiling), so a short benchmark is
+    not judged against a rate no dump of its size could reach; both shares are printed."""
     by_store = machine["write_fsync_gb_per_s"] * 1e9 / row["bytes_per_token"]
     top = min(row["forward_tokens_per_s"], by_store)
+    with_load = row["tokens"] / (row["model_load_s"] + row["tokens"] / top)
     steady = row.get("steady_tokens_per_s")
     return {"ceiling_tokens_per_s": round(top, 1), "ceiling_bound_by": "forward" if top < by_store else "store write",
             "store_write_tokens_per_s": round(by_store, 1),
             "end_to_end_share_of_ceiling": round(row["end_to_end_tokens_per_s"] / top, 4),
+            "end_to_end_ceiling_with_load_tokens_per_s": round(with_load, 1),
+            "end_to_end_share_of_ceiling_with_load": round(row["end_to_end_tokens_per_s"] / with_load, 4),
             "steady_share_of_ceiling": round(steady / top, 4) if steady else None}
 
 
@@ -269,7 +279,8 @@ def main() -> None:
     parser.add_argument("--samples-per-shard", type=int, default=64)
     parser.add_argument("--storage-dtypes", nargs="+", default=["model", "float8_e4m3"],
                         choices=["model", "float8_e4m3"])
-    parser.add_argument("--upload-threads", type=int, default=2)
+    parser.add_argument("--upload-threads", type=int, nargs="+", default=[DumpConfig.model_fields["upload_threads"].default],
+                        help="dump.upload_threads; several values: one run each, same target")
     parser.add_argument("--upload-queue", type=int, default=1)
     parser.add_argument("--tokenize-processes", type=int, default=0, help="dump.tokenize_processes")
     parser.add_argument("--store-dir", help="directory of the file:// store (default: system temp dir)")
@@ -297,8 +308,10 @@ def main() -> None:
             t = time.perf_counter()
             path = args.target_path or build_target(name, Path(tmp) / name, conversations)
             built_s = round(time.perf_counter() - t, 1)
-            for storage in args.storage_dtypes:
-                row = {"target": name, "target_ready_s": built_s, **bench_run(path, conversations, args, storage)}
+            for storage, threads in [(s, n) for s in args.storage_dtypes for n in args.upload_threads]:
+                run_args = argparse.Namespace(**{**vars(args), "upload_threads": threads})
+                row = {"target": name, "target_ready_s": built_s, "upload_threads": threads,
+                       **bench_run(path, conversations, run_args, storage)}
                 row.update(ceiling(row, results["machine"]))
                 results["runs"].append(row)
                 print(json.dumps(row), flush=True)

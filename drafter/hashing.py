@@ -4,6 +4,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
+import threading
 from collections.abc import Iterable
 from pathlib import PurePath
 from typing import Any
@@ -28,6 +30,42 @@ def hash_chunks(chunks: Iterable[bytes]) -> tuple[int, str]:
         h.update(chunk)
         n += len(chunk)
     return n, h.hexdigest()
+
+
+class BackgroundSha256:
+    """sha256 of a byte stream computed on its own thread while the caller writes the same bytes:
+    hashing (~1.3 GB/s a core) and writing then overlap instead of adding up. `update` hands over
+    a reference (the bytes must not change until `hexdigest`); the queue bounds how many chunks
+    wait. `close()` stops the thread without a digest (the write failed)."""
+
+    def __init__(self, depth: int = 8):
+        self._hash = hashlib.sha256()
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="sha256", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._hash.update(chunk)  # releases the GIL for large chunks
+                except BaseException as e:  # noqa: BLE001 -- reported by hexdigest
+                    self._error = e
+
+    def update(self, chunk: bytes | memoryview) -> None:
+        self._queue.put(chunk)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def hexdigest(self) -> str:
+        self.close()
+        if self._error is not None:
+            raise self._error
+        return self._hash.hexdigest()
 
 
 def hash_file(path: str | os.PathLike) -> tuple[int, str]:

@@ -173,6 +173,34 @@ def test_s3_committed_object_is_checked_against_the_servers_record(s3_storage_co
 # ---- file:// specifics
 
 
+def test_filestore_stream_failing_midway_leaves_no_object_and_no_hash_thread(tmp_path):
+    """The sha256 runs on its own thread beside the writes: a source that dies mid-stream leaves
+    neither a half object nor that thread behind, and the old object stays."""
+    import threading
+
+    store = FileStore(tmp_path)
+    store.put_bytes("k", b"old")
+
+    def chunks():
+        yield _blob(3 * MiB, seed=5)
+        raise RuntimeError("the shard's source died")
+
+    with pytest.raises(RuntimeError, match="source died"):
+        store.put_stream("k", chunks())
+    assert store.get_bytes("k") == b"old" and store.list() == ["k"]
+    assert not [t for t in threading.enumerate() if t.name == "sha256"]
+
+
+def test_background_sha256_equals_hashlib_over_many_chunks():
+    from drafter.hashing import BackgroundSha256
+
+    data = _blob(5 * MiB + 3, seed=6)
+    h = BackgroundSha256(depth=2)
+    for i in range(0, len(data), 65537):  # more chunks than the queue holds
+        h.update(memoryview(data)[i:i + 65537])
+    assert h.hexdigest() == hashlib.sha256(data).hexdigest()
+
+
 def test_filestore_crash_before_rename_leaves_old_object(tmp_path, monkeypatch):
     store = FileStore(tmp_path)
     store.put_bytes("k", b"old")
