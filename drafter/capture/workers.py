@@ -42,6 +42,7 @@ class ShardBuild:
         self.writer = ShardWriter(spool_dir, metadata=metadata)
         self.batches = base.plan_batches([len(s[1]) for s in tok.samples], dump.tokens_per_batch)
         self.settled = self.loss_tokens = 0
+        self.sample_tokens: list[int] = []  # per stored sample, in shard order: the export's length distribution
 
     @property
     def complete(self) -> bool:
@@ -55,6 +56,7 @@ class ShardBuild:
                 self.tok.quarantined.append({"id": sid, "reason": "nonfinite"})
                 continue
             self.writer.add(sid, ids, mask, **states)
+            self.sample_tokens.append(len(ids))
             self.loss_tokens += sum(mask)
         self.settled += 1
 
@@ -63,6 +65,7 @@ class ShardBuild:
         return {"index": self.tok.index, "split": self.tok.split, "input_digest": self.tok.input_digest,
                 "samples": len(self.writer),
                 "tokens": self.writer.num_tokens, "loss_tokens": self.loss_tokens, "truncated": self.tok.truncated,
+                "sample_tokens": self.sample_tokens,
                 "from_token_ids": self.tok.from_token_ids,
                 "quarantined": self.tok.quarantined, "batches": len(self.batches), "device": str(self.cm.device),
                 "tokens_per_batch": dump.tokens_per_batch, "backend": getattr(self.cm, "backend", "hf")}

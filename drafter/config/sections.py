@@ -239,6 +239,14 @@ class ExportConfig(Strict):
         default_factory=lambda: [32, 64, 128, 256, 512],
         description="accept length by output length: a verify falls in the bucket of the output "
                     "tokens generated before it")
+    context_bucket_edges: list[int] | None = OutputField(
+        None, description="accept length by context position (prompt + tokens generated before the draft block), "
+                          "up to the target's context length: these edges, or None for powers of two from 64")
+    min_last_bucket_accept_length: float | None = OutputField(
+        None, ge=1, description="refuse an export whose accept length in the last context bucket with "
+                                "last_bucket_min_blocks draft blocks is lower (None: off)")
+    last_bucket_min_blocks: int = OutputField(
+        16, ge=1, description="draft blocks a context bucket needs to count for min_last_bucket_accept_length")
     vllm_speculative_tokens: int = OutputField(
         3, ge=1, description="speculators_config proposal_methods[0].speculative_tokens of the vLLM export")
     # The layer ids an engine must be given depend on its version (drafter.layers.engine_layer_ids);
@@ -254,9 +262,11 @@ class ExportConfig(Strict):
     vllm_version: str = OutputField(READ_VERSIONS["vllm"], description="vLLM version the vLLM export's layer ids are written for")
     device: str = OperationalField("auto", description="judge device: cpu, cuda, cuda:N or auto")
 
-    @field_validator("judge_bucket_edges")
+    @field_validator("judge_bucket_edges", "context_bucket_edges")
     @classmethod
-    def _increasing(cls, v: list[int]) -> list[int]:
+    def _increasing(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
         if any(e <= 0 for e in v) or any(b <= a for a, b in zip(v, v[1:])):
             raise ValueError(f"bucket edges must be positive and strictly increasing, got {v}")
         return v

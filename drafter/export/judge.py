@@ -11,7 +11,9 @@ Figures (all over verify steps, the bonus token included where it says accept le
 - per_position: accepted at draft position k / verifies (k = 0 .. num_steps-1), next to training's
   accept_rate_k;
 - by_output_length: accept length of the verifies whose output had [lo, hi) tokens before them, so
-  a drop past the training length shows.
+  a drop past the training length shows;
+- by_context: accept length by context position (prompt + output tokens before the verify: where
+  the draft block starts), in buckets up to the target's context (drafter.contracts.context_curve).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from typing import Any
 
 from drafter.export.sglang import PROVENANCE_KEY, ExportError
 from drafter.contracts.accept import predicted_accept
+from drafter.contracts.context_curve import accept_by_context, last_full_bucket
+from drafter.contracts.context_curve import bucket_edges as context_bucket_edges
 from drafter.contracts.prompts import prompts_from_conversations
 
 
@@ -35,7 +39,7 @@ def _buckets(edges: list[int]) -> list[tuple[int, int | None]]:
 
 def judge_export(sglang_dir: str | Path, target, prompts: list[list[int]], *, num_steps: int,
                  max_new_tokens: int, bucket_edges: list[int], prediction: dict | None = None,
-                 on_prompt=None) -> dict[str, Any]:
+                 on_prompt=None, context_edges: list[int] | None = None) -> dict[str, Any]:
     """Generate from `prompts` with the exported drafter and measure acceptance.
     `target`: a loaded drafter.target.HFTarget (its device and dtype are used)."""
     import torch
@@ -59,6 +63,7 @@ def judge_export(sglang_dir: str | Path, target, prompts: list[list[int]], *, nu
     at_position = [0] * num_steps
     verifies = accepted = completion = requests = 0
     per_prompt: list[list[int]] = []  # [verifies, accepted drafts] per prompt: paired comparisons
+    blocks: list[tuple[int, int, int]] = []  # (context position, 1, accepted) per verify
     started = time.monotonic()
     for i, prompt in enumerate(prompts):
         res = engine.generate(prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
@@ -73,9 +78,11 @@ def judge_export(sglang_dir: str | Path, target, prompts: list[list[int]], *, nu
             b = next(j for j, (lo, hi) in enumerate(buckets) if hi is None or before < hi)
             b_verifies[b] += 1
             b_accepted[b] += acc
+            blocks.append((len(prompt) + before, 1, acc))
         if on_prompt is not None:
             on_prompt(i + 1, len(prompts))
     seconds = time.monotonic() - started
+    context = target.max_position_embeddings
     if verifies == 0:
         raise JudgedTooLow(f"no verify step in {requests} judged prompts (outputs of at most one token?): "
                            "nothing was measured")
@@ -90,6 +97,8 @@ def judge_export(sglang_dir: str | Path, target, prompts: list[list[int]], *, nu
             {"output_tokens": f"[{lo}, {'inf' if hi is None else hi})", "verifies": v,
              "accept_length": (1 + a / v) if v else None}
             for (lo, hi), v, a in zip(buckets, b_verifies, b_accepted)],
+        "by_context": accept_by_context(blocks, context_bucket_edges(context, context_edges), context),
+        "context_length": context,
         "per_prompt": per_prompt,
         "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
         "seconds": round(seconds, 2), "torch": torch.__version__,
@@ -121,7 +130,29 @@ def judge_as_configured(ec, sglang_dir: str | Path, target, prompts: list[list[i
     """`judge_export` with the `export` section's judge settings (steps, new tokens, buckets)."""
     return judge_export(sglang_dir, target, prompts, num_steps=ec.judge_num_steps,
                         max_new_tokens=ec.judge_max_new_tokens, bucket_edges=ec.judge_bucket_edges,
-                        prediction=prediction, on_prompt=on_prompt)
+                        prediction=prediction, on_prompt=on_prompt, context_edges=ec.context_bucket_edges)
+
+
+def check_last_bucket(report: dict[str, Any], min_accept_length: float | None, min_blocks: int) -> dict | None:
+    """export.min_last_bucket_accept_length: the accept length in the bucket farthest into the
+    context with at least `min_blocks` draft blocks (fewer is noise). None when off or when no
+    context curve was measured; raises JudgedTooLow, one line, when it is missed."""
+    if min_accept_length is None or not report.get("by_context"):
+        return None
+    last = last_full_bucket(report["by_context"], min_blocks)
+    if last is None:
+        raise JudgedTooLow(f"export judged too low: no context bucket has export.last_bucket_min_blocks {min_blocks} "
+                           f"draft blocks ({report['verifies']} in all): nothing to hold "
+                           f"export.min_last_bucket_accept_length {min_accept_length} against; judge more or longer "
+                           "prompts (export.eval_prompts, export.judge_max_new_tokens) or lower the block count")
+    out = {"positions": last["positions"], "blocks": last["blocks"], "accept_length": last["accept_length"],
+           "min_accept_length": min_accept_length, "min_blocks": min_blocks}
+    if last["accept_length"] < min_accept_length:
+        raise JudgedTooLow(f"export judged too low at long context: accept length {last['accept_length']:.3f} at "
+                           f"context positions {last['positions']} ({last['blocks']} draft blocks, the last bucket "
+                           f"with >= {min_blocks}) < export.min_last_bucket_accept_length {min_accept_length} "
+                           f"(offline accept length over all positions {report['accept_length']:.3f})")
+    return out
 
 
 def check(report: dict[str, Any], min_accept_length: float, min_accept_ratio: float) -> dict[str, Any]:

@@ -77,6 +77,9 @@ def judge_with_vllm(cfg: LifecycleConfig, vllm_dir: str | Path, prompts: list[li
         "accepted_tokens": delta["accepted_tokens"],
         "accept_length": 1 + delta["accepted_tokens"] / drafts,
         "per_position": [per_pos.get(k, 0.0) / drafts for k in range(num_steps)],
+        # /metrics counts every request together: no per-position figure exists to place (never estimated)
+        "by_context": None, "by_context_note": "vLLM's /metrics counters are aggregate over the requests: "
+                                               "no accept length by context position (the reference judge's curve)",
         "seconds": round(seconds, 2), "seconds_to_ready": round(served.seconds_to_ready, 1),
         "log_path": str(served.log_path), "layer_ids": session.layer_ids,
     }

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from drafter.bench.forecast import predicted_speedup_lines
 from drafter.config import LifecycleConfig, fingerprint_fields
+from drafter.contracts.context_curve import curve_lines, trained_by_context
 from drafter.export.judge import check as judge_check
 from drafter.export.manifest import EXPORT_FORMAT_VERSION, export_manifest
 from drafter.export.sglang import ExportError, TargetInfo, check_sglang_export, require_good, write_sglang
@@ -162,7 +163,8 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
             target=target, target_fingerprint=inputs["target_fp"], train_fingerprint=upstream[TRAIN],
             train_meta=train_meta, dump_fingerprint=inputs["dump_fp"], prepare_fingerprint=inputs["prepare_fp"],
             our_aux_ids=ours, sglang=sglang, vllm=vllm, d2t=source.d2t, vocab_size=target.vocab_size)
-        judge, prompts = _judge(cfg, store, inputs["prepare_fp"], sglang_dir, train_meta, progress, say)
+        judge, prompts = _judge(cfg, store, inputs["prepare_fp"], sglang_dir, train_meta, progress, say,
+                                inputs["dump_fp"])
         for line in predicted_speedup_lines(cfg, store, judge["accept_length"], judge["num_steps"]):
             say(f"export: {line}")  # before any server runs this drafter (the vLLM judge's below)
         if ec.vllm_judge is not None:
@@ -182,9 +184,55 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
     return Built({"export": manifest, "judge": judge})
 
 
+def training_lengths(store: ObjectStore, dump_fp: str, train_max_length: int) -> dict:
+    """What the drafter trained on, by length: the train split's tokens per sample from the dump's
+    shard markers (`sample_tokens`), and the longest sample the trainer can have seen (the dump's
+    and train's max_length). Shards dumped before the lengths were recorded count as unrecorded."""
+    dump = StageOutput.committed(store, DUMP, dump_fp)
+    lengths, unrecorded = [], 0
+    for shard in dump.manifest.shards:
+        if shard.meta.get("split", "train") != "train":
+            continue
+        if "sample_tokens" in shard.meta:
+            lengths += [int(n) for n in shard.meta["sample_tokens"]]
+        else:
+            unrecorded += int(shard.meta.get("samples", 0))
+    longest = min(train_max_length, dump.manifest.meta.get("max_length") or train_max_length)
+    return {"dump": dump_fp, "lengths": lengths, "unrecorded_samples": unrecorded, "max_trained_length": longest}
+
+
+def add_training_lengths(report: dict, trained: dict) -> None:
+    """Each context bucket of the judgement gets the training samples reaching it and ending in it."""
+    report["training_lengths"] = {k: v for k, v in trained.items() if k != "lengths"}
+    report["training_lengths"]["recorded_samples"] = len(trained["lengths"])
+    if trained["lengths"]:
+        for bucket, t in zip(report["by_context"], trained_by_context(trained["lengths"], report["by_context"],
+                                                                      trained["max_trained_length"])):
+            bucket.update(trained_samples_reaching=t["samples_reaching"], trained_samples_ending=t["samples_ending"])
+
+
+def context_lines(judge: dict) -> list[str]:
+    """The judgement's accept length by context position, the training samples beside each bucket."""
+    curve, tl = judge.get("by_context"), judge.get("training_lengths") or {}
+    if not curve:
+        return []
+    trained = ([{"samples_reaching": b["trained_samples_reaching"], "samples_ending": b["trained_samples_ending"]}
+                for b in curve] if "trained_samples_reaching" in curve[0] else None)
+    head = (f"accept length by context position (prompt + generated tokens where each draft block starts; "
+            f"target context {judge.get('context_length')}):")
+    if trained is None:
+        head += (" no per-sample lengths in dump/" + str(tl.get("dump")) + " (dumped before they were recorded);"
+                 f" no training sample is longer than {tl.get('max_trained_length')} tokens") if tl else ""
+    elif tl.get("unrecorded_samples"):
+        head += (f" training samples counted for {tl['recorded_samples']}, {tl['unrecorded_samples']} more dumped "
+                 "before lengths were recorded")
+    return [head, *("  " + line for line in curve_lines(
+        curve, trained, untrained_from=tl.get("max_trained_length") if trained is None else None))]
+
+
 def _judge(cfg: LifecycleConfig, store: ObjectStore, prepare_fp: str, sglang_dir: Path, train_meta: dict,
-           progress: Progress | None, say) -> dict:
-    from drafter.export.judge import held_out_judging, judge_as_configured
+           progress: Progress | None, say, dump_fp: str | None = None) -> dict:
+    from drafter.export.judge import check_last_bucket, held_out_judging, judge_as_configured
 
     ec = cfg.export
     target, prompts, skipped, conversations = held_out_judging(cfg, store, prepare_fp)
@@ -202,9 +250,15 @@ def _judge(cfg: LifecycleConfig, store: ObjectStore, prepare_fp: str, sglang_dir
     report["prompts_past_train_max_length"] = sum(len(p) + ec.judge_max_new_tokens > cfg.train.max_length
                                                   for p in prompts)
     report["skipped_prompts"] = skipped
+    if dump_fp is not None:
+        add_training_lengths(report, training_lengths(store, dump_fp, cfg.train.max_length))
     report["verdict"] = judge_check(report, ec.min_accept_length, ec.min_accept_ratio)
     say(f"export: offline accept length {report['accept_length']:.3f} "
         f"(predicted {(report.get('predicted') or {}).get('accept_length', float('nan')):.3f})")
+    for line in context_lines(report):  # before the gate below, so a refusal shows its curve
+        say(f"export: {line}")
+    report["verdict"]["last_bucket"] = check_last_bucket(report, ec.min_last_bucket_accept_length,
+                                                         ec.last_bucket_min_blocks)
     return report, prompts
 
 
@@ -246,13 +300,15 @@ def summarize(inputs: Inputs, out: StageOutput) -> Summary:
         + (f", predicted {fmt(judge['predicted']['per_position'])}" if pred else ""),
         "by output length: " + ", ".join(f"{b['output_tokens']} {b['accept_length']:.2f} ({b['verifies']})"
                                          for b in judge["by_output_length"] if b["verifies"]),
+        *context_lines(judge),
         *([f"WARNING: {judge['prompts_past_train_max_length']} of {judge['prompts']} judged prompts run past "
            f"train.max_length {judge['train_max_length']} (prompt + {judge['max_new_tokens']} new tokens): the "
            "drafter never trained at those positions; raise dump.max_length and train.max_length to the serving "
            "context"] if judge.get("prompts_past_train_max_length") else []),
         *([f"vLLM judge (vllm {judge['vllm']['engine_version']}): accept length {judge['vllm']['accept_length']:.3f}, "
            f"per position {fmt(judge['vllm']['per_position'])}; reference {judge['accept_length']:.3f}: agree within "
-           f"{judge['agreement']['tolerance']} (difference {judge['agreement']['accept_length_difference']:.3f})"]
+           f"{judge['agreement']['tolerance']} (difference {judge['agreement']['accept_length_difference']:.3f}); "
+           "no vLLM curve by context position (its /metrics counters are aggregate)"]
           if "vllm" in judge else []),
         *predicted_speedup_lines(inputs.ctx.cfg, inputs.ctx.store, judge["accept_length"], s),
         f"layer ids {export['layer_ids']['trained']['ids']} (ours) -> SGLang "

@@ -37,6 +37,10 @@ def export_verdict(result, error: BaseException | None = None) -> str | None:
     v = (result.meta.get("judge") or {}).get("verdict") or {}
     bar = [f"export.min_accept_length {v['min_accept_length']}", f"export.min_accept_ratio {v['min_accept_ratio']}"
            + (f" (ratio to training's prediction {v['ratio_to_prediction']:.2f})" if v.get("ratio_to_prediction") else "")]
+    if v.get("last_bucket"):  # export.min_last_bucket_accept_length, when it is on
+        lb = v["last_bucket"]
+        bar.append(f"export.min_last_bucket_accept_length {lb['min_accept_length']} (accept length "
+                   f"{lb['accept_length']:.2f} at context positions {lb['positions']}, {lb['blocks']} draft blocks)")
     return _markdown("export: passed", [f"met {' and '.join(bar)}", *result.summary], result.table)
 
 

@@ -408,6 +408,11 @@ def test_eval_split_is_dumped_into_its_own_shards(tmp_path, tiny_target, convs):
     train = [s["id"] for s in iter_dump_samples(store, result.manifest, expect_aux_layer_ids=AUX)]
     assert sorted(held_out) == sorted(c["id"] for c in convs[5:8])
     assert sorted(train) == sorted(c["id"] for c in convs[:5])
+    # each shard's marker records its samples' token counts in shard order (the export's length distribution)
+    by_shard = {s.name: s.meta["sample_tokens"] for s in result.manifest.shards}
+    stored = [len(s["input_ids"]) for s in iter_dump_samples(store, result.manifest, expect_aux_layer_ids=AUX)]
+    assert [n for name in (shard_name(0), shard_name(1), shard_name(2)) for n in by_shard[name]] == stored
+    assert sum(stored) == meta["num_tokens"] and len(by_shard["eval-hs-00000.safetensors"]) == 2
 
 
 def test_recorded_token_ids_are_fed_as_they_are_and_records_without_them_are_retokenised(tmp_path, tiny_target,
