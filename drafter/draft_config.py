@@ -20,6 +20,12 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # Keys the drafter may carry but SGLang does not need: it swaps in the target's embedding.
 OPTIONAL_KEYS = ("embed_tokens.weight",)
+# The drafter variants (`train.drafter`) and the config flags each sets. EAGLE 3.1 is still `eagle3`
+# to the engines: the flags switch on its two parts, read by SGLang 0.5.23 and vLLM 0.32.0 as
+# `config.fc_norm` / `config.norm_output` (drafter.model says where).
+DRAFTERS = {"eagle3": {"fc_norm": False, "norm_output": False},
+            "eagle3.1": {"fc_norm": True, "norm_output": True}}
+NUM_AUX = 3  # captured hidden states: fc reads 3 x target_hidden_size, fc_norm has one norm each
 
 
 class DrafterCheckpointError(DrafterError, ValueError):
@@ -49,6 +55,11 @@ class Eagle3DraftConfig:
     tie_word_embeddings: bool = False
     torch_dtype: str = "float32"
     layer_id_convention: str = LAYER_ID_CONVENTION
+    # EAGLE 3.1 (DRAFTERS): an RMSNorm on each captured hidden state before fc, and the post-norm
+    # hidden state fed to the next draft step. Written to config.json only when true, so an eagle3
+    # config stays byte for byte what it was.
+    fc_norm: bool = False
+    norm_output: bool = False
     # Fields we do not interpret (bos/eos ids, pretraining_tp, ...) survive a round trip.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -78,6 +89,12 @@ class Eagle3DraftConfig:
             problems.append(f"rope_scaling type {rope_type(self.rope_scaling)!r} is not supported")
         if problems:
             raise DrafterCheckpointError("invalid EAGLE-3 draft config: " + "; ".join(problems))
+
+    @property
+    def drafter(self) -> str:
+        """The variant's name in DRAFTERS ("eagle3", "eagle3.1"), or the flags when they match none."""
+        flags = {"fc_norm": self.fc_norm, "norm_output": self.norm_output}
+        return next((name for name, f in DRAFTERS.items() if f == flags), f"eagle3 {flags}")
 
     def resolved_aux_layer_ids(self, target_num_layers: int) -> list[int]:
         """The ids to capture; without the field SGLang uses its default for the target depth."""
@@ -113,6 +130,9 @@ class Eagle3DraftConfig:
         })
         if self.aux_layer_ids is not None:
             out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
+        for flag in ("fc_norm", "norm_output"):
+            if getattr(self, flag):
+                out[flag] = True
         return out
 
     @classmethod
@@ -157,6 +177,8 @@ class Eagle3DraftConfig:
             tie_word_embeddings=data.pop("tie_word_embeddings", False),
             torch_dtype=data.pop("torch_dtype", None) or "float32",
             layer_id_convention=data.pop("layer_id_convention", LAYER_ID_CONVENTION),
+            fc_norm=bool(data.pop("fc_norm", False)),
+            norm_output=bool(data.pop("norm_output", False)),
         )
         return cls(**known, extra=data)
 
@@ -184,7 +206,9 @@ def EXPECTED_KEYS(config: Eagle3DraftConfig) -> dict[str, tuple[tuple[int, ...],
     """Every required checkpoint key -> (shape, dtype or None for 'any float dtype')."""
     h, ht, hd = config.hidden_size, config.target_hidden_size, config.head_dim
     q, kv, inter = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
+    fc_norm = {f"fc_norm.{i}.weight": ((ht,), None) for i in range(NUM_AUX)} if config.fc_norm else {}
     return {
+        **fc_norm,
         "fc.weight": ((h, 3 * ht), None),
         "midlayer.input_layernorm.weight": ((h,), None),
         "midlayer.hidden_norm.weight": ((h,), None),

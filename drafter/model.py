@@ -10,6 +10,18 @@ so a checkpoint saved here loads there key for key (contract section 1):
     logits = lm_head(norm(h))                          over the DRAFT vocab; d2t maps ids back
     h (before `norm`) is the hidden state fed to the next draft step.
 
+EAGLE 3.1 (`config.fc_norm`, `config.norm_output`; `train.drafter: eagle3.1`) changes two lines:
+    hidden = fc(concat(fc_norm[0](aux_low), fc_norm[1](aux_mid), fc_norm[2](aux_high)))
+    norm(h) (after `norm`) is the hidden state fed to the next draft step
+Read in the engines' source: vLLM 0.32.0 vllm/model_executor/models/llama_eagle3.py (fc_norm: one
+RMSNorm(target_hidden_size) per aux state, l.231-240, applied chunk by chunk before fc in
+combine_hidden_states, l.409-418; norm_output: `aux_output = hidden_states if self.norm_output else
+hidden_prenorm`, l.283-286; both flags from the speculators config, transformers_utils/configs/
+speculators/algos.py l.37-38), SGLang 0.5.23 sglang/srt/models/llama_eagle3.py (fc_norm: RMSNorm(target
+hidden) per aux state, l.184-196 and 240-247; norm_output: `aux = hidden_states_to_logits if
+self.norm_output`, l.263-269), speculators 0.9.0 models/eagle3/core.py (l.130-141, 238-243, 302-304).
+All three name the weights `fc_norm.{i}.weight` and keep the residual = the incoming (un-normed) hidden.
+
 At position p the drafter sees the token at p+1 and the target's features at p, and predicts the
 token at p+2: the caller shifts tokens by one (see drafter/engines/reference/speculative.py).
 
@@ -28,12 +40,12 @@ from torch import nn
 
 # The config and the file layout live in drafter.draft_config; imported from here as before.
 from drafter.draft_config import (
-    ARCHITECTURE, CONFIG_FILE, EXPECTED_KEYS, OPTIONAL_KEYS, WEIGHTS_FILE, DrafterCheckpointError, Eagle3DraftConfig,
-    rope_settings, rope_type)
+    ARCHITECTURE, CONFIG_FILE, DRAFTERS, EXPECTED_KEYS, NUM_AUX, OPTIONAL_KEYS, WEIGHTS_FILE, DrafterCheckpointError,
+    Eagle3DraftConfig, rope_settings, rope_type)
 from drafter.dtypes import dtype_of
 from drafter.layers import check_aux_layer_ids, default_aux_layer_ids
 
-__all__ = ["ARCHITECTURE", "CONFIG_FILE", "WEIGHTS_FILE", "OPTIONAL_KEYS", "EXPECTED_KEYS", "DrafterCheckpointError",
+__all__ = ["ARCHITECTURE", "CONFIG_FILE", "DRAFTERS", "WEIGHTS_FILE", "OPTIONAL_KEYS", "EXPECTED_KEYS", "DrafterCheckpointError",
            "Eagle3DraftConfig", "RMSNorm", "rope_inv_freq", "apply_rope", "DraftKVCache", "Eagle3Attention",
            "Eagle3MLP", "Eagle3MidLayer", "Eagle3Drafter", "ttt_attention_mask", "check_drafter_weights",
            "load_drafter", "save_drafter", "read_target_config", "draft_config_for_target", "set_draft_vocab",
@@ -192,6 +204,9 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         self.config = config
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        # EAGLE 3.1: one norm per captured hidden state (per layer, not one over the concatenation).
+        self.fc_norm = (nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps) for _ in range(NUM_AUX))
+                        if config.fc_norm else None)
         self.midlayer = Eagle3MidLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -208,6 +223,8 @@ class Eagle3Drafter(nn.Module):
         if hidden.shape[-1] != 3 * self.config.target_hidden_size:
             raise ValueError(f"hidden width {hidden.shape[-1]}: expected 3 x target_hidden_size "
                              f"({3 * self.config.target_hidden_size}) or hidden_size ({self.config.hidden_size})")
+        if self.fc_norm is not None:
+            hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, hidden.chunk(NUM_AUX, dim=-1))], dim=-1)
         return self.fc(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -227,14 +244,16 @@ class Eagle3Drafter(nn.Module):
         hidden [B, T, 3*H_target] (target aux features at p) or [B, T, H] (drafter's own output).
         positions [B, T]: RoPE positions (default: continue after the cache).
         attn_mask: optional bool [B or 1, 1, T, past+T], True = may attend (default causal).
-        Returns (draft-vocab logits [B, T, V_draft], pre-norm hidden [B, T, H] for the next step).
+        Returns (draft-vocab logits [B, T, V_draft], the hidden [B, T, H] for the next step: pre-norm,
+        or post-norm with config.norm_output).
         """
         b, t, _ = input_embeds.shape
         if positions is None:
             past = 0 if cache is None else len(cache)
             positions = torch.arange(past, past + t, device=input_embeds.device).expand(b, t)
         h = self.midlayer(input_embeds, self.project(hidden), positions, cache, attn_mask)
-        return self.compute_logits(h), h
+        normed = self.norm(h)
+        return self.lm_head(normed), (normed if self.config.norm_output else h)
 
 
 def ttt_attention_mask(seq_len: int, step: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -351,8 +370,9 @@ def read_target_config(target_dir: str | Path) -> dict[str, Any]:
 
 
 def draft_config_for_target(target: dict[str, Any], aux_layer_ids: list[int] | None = None,
-                            draft_vocab_size: int | None = None) -> Eagle3DraftConfig:
-    """A drafter config shaped like the target's layers (what SpecForge does by default)."""
+                            draft_vocab_size: int | None = None, drafter: str = "eagle3") -> Eagle3DraftConfig:
+    """A drafter config shaped like the target's layers (what SpecForge does by default); `drafter`
+    names the variant (DRAFTERS: eagle3, eagle3.1)."""
     layers = target["num_hidden_layers"]
     ids = default_aux_layer_ids(layers) if aux_layer_ids is None else aux_layer_ids
     ids = check_aux_layer_ids(ids, layers)  # the serving target's check: it must capture them
@@ -372,6 +392,7 @@ def draft_config_for_target(target: dict[str, Any], aux_layer_ids: list[int] | N
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=target.get("max_position_embeddings", 2048),
+        **DRAFTERS[drafter],
     )
 
 
@@ -386,14 +407,14 @@ def set_draft_vocab(model: Eagle3Drafter, target_ids: torch.Tensor) -> None:
 
 
 def init_random_drafter(target_dir: str | Path, out_dir: str | Path, aux_layer_ids: list[int] | None = None,
-                        draft_vocab_size: int | None = None, seed: int = 0) -> Path:
+                        draft_vocab_size: int | None = None, seed: int = 0, drafter: str = "eagle3") -> Path:
     """A randomly initialised drafter for `target_dir`, saved in SGLang format at `out_dir`.
 
     The draft vocab is the first `draft_vocab_size` target ids (good enough for a random drafter;
     trained drafters use the most frequent ones).
     """
     target = read_target_config(target_dir)
-    config = draft_config_for_target(target, aux_layer_ids, draft_vocab_size)
+    config = draft_config_for_target(target, aux_layer_ids, draft_vocab_size, drafter)
     gen = torch.Generator().manual_seed(seed)
     model = Eagle3Drafter(config)
     std = float(target.get("initializer_range", 0.02))

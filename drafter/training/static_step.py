@@ -31,7 +31,7 @@ from drafter.model import Eagle3Drafter
 from drafter.training.attention import DocLayout, ttt_attention
 from drafter.training.teacher import TargetHead, linear_soft_cross_entropy
 from drafter.training.ttt import (MicroBatch, _after_attention, _final_norm, _first_step_inputs, _fn,
-                                  _next_step_inputs, doc_positions, embed_next, step_loss_mask,
+                                  _next_step_inputs, doc_positions, embed_next, fc_input, step_loss_mask,
                                   step_stats)
 
 log = logging.getLogger(__name__)
@@ -95,19 +95,26 @@ class StaticBatch:
 
 
 def plan_static(mb: MicroBatch, K: int, decay: float, norm: float, tokens: int, row_multiple: int = 128,
-                embed: torch.Tensor | None = None, e_next: torch.Tensor | None = None) -> StaticBatch:
-    """Lay out `mb` (CPU tensors) padded to max(tokens, its length) rounded to `row_multiple`."""
+                embed: torch.Tensor | None = None, e_next: torch.Tensor | None = None,
+                buckets: int = 0) -> StaticBatch:
+    """Lay out `mb` (CPU tensors) padded to max(tokens, its length) rounded to `row_multiple`.
+
+    `buckets` 0: rows by `bucket_rows`, documents and the longest one by powers of two (~8 row
+    sizes per doubling, each a shape key). N > 0: a few fixed keys: the length rounded up to a
+    multiple of `tokens`, the rows to a multiple of 1/N of it, at least T/16 documents and the
+    longest one taken as T: at most N keys per multiple of `tokens`, at the cost of more padded rows."""
     if e_next is None:
         e_next = embed_next(mb, embed)
     n = mb.num_tokens
-    T = _round_up(max(tokens, n), row_multiple)
+    T = _round_up(max(tokens, n), _round_up(tokens, row_multiple) if buckets else row_multiple)
     doc, pos, dlen = doc_positions(mb.doc_lens)
     ks = torch.arange(K)[:, None]
     lmk = torch.zeros(K, T, dtype=torch.bool)
     lmk[:, :n] = step_loss_mask(mb.loss_mask.cpu(), pos, dlen, K)[2]
     active = lmk.any(0)
     s_real = active.nonzero().flatten()
-    R = min(T, bucket_rows(s_real.numel(), row_multiple))
+    R = min(T, _round_up(max(1, s_real.numel()), _round_up(-(-T // buckets), row_multiple)) if buckets
+            else bucket_rows(s_real.numel(), row_multiple))
     S = torch.cat([s_real, (~active).nonzero().flatten()[:R - s_real.numel()]]).sort().values
     where = torch.full((T,), -1, dtype=torch.int64)
     where[S] = torch.arange(R)
@@ -120,10 +127,11 @@ def plan_static(mb: MicroBatch, K: int, decay: float, norm: float, tokens: int, 
     # The padding is split into documents no longer than the real ones (rounded to a power of
     # two), so the attention kernel's max length, and the shape key, do not follow the padding.
     n_docs = len(mb.doc_lens)
-    max_len = min(T, _pow2(max(max(mb.doc_lens), 1)))
-    pad_lens = [max_len] * (pad // max_len) + ([pad % max_len] if pad % max_len else [])
+    split = min(T, _pow2(max(max(mb.doc_lens), 1)))
+    pad_lens = [split] * (pad // split) + ([pad % split] if pad % split else [])
     lens = list(mb.doc_lens) + pad_lens
-    D = _pow2(len(lens))
+    D = max(_pow2(len(lens)), _pow2(T // 16) if buckets else 1)
+    max_len = T if buckets else split  # the attention kernel's bound: any value >= the longest document
     cu = torch.full((D + 1,), T, dtype=torch.int32)
     cu[:len(lens) + 1] = torch.cumsum(torch.tensor([0] + lens, dtype=torch.int64), 0).to(torch.int32)
     pad_doc, pad_pos, _ = doc_positions(pad_lens) if pad_lens else (torch.zeros(0, dtype=torch.int64),) * 3
@@ -156,22 +164,26 @@ def static_ttt_loss(model: Eagle3Drafter, head: TargetHead, sb: StaticBatch, att
         attn.inv_freq = attn.inv_freq.to(sb.aux.device)
 
     teacher = head(sb.final[(S + 1).clamp(max=T - 1)])
-    h_in = model.fc(sb.aux)
+    h_in = fc_input(model, sb.aux)
+    # EAGLE 3.1 (norm_output): the post-norm hidden is the next step's input and lm_head's (as in ttt.py)
+    out_norm = (lambda h: final_norm(model, h)) if model.config.norm_output else (lambda h: h)
     q, k0, v0 = first_inputs(layer, attn, sb.e_next, h_in, sb.pos, attn.inv_freq, S, heads, kvh, d)
-    h = after_attention(layer, attn, h_in[S], ttt_attention(q, k0, v0, None, None, S, layout, scale, attention,
-                                                             compile))
+    h = out_norm(after_attention(layer, attn, h_in[S], ttt_attention(q, k0, v0, None, None, S, layout, scale,
+                                                                      attention, compile)))
     hs, dk, dv = [h], None, None
     for k in range(1, K):
         q, kk, vv = next_inputs(layer, attn, sb.e_next[(S + k).clamp(max=T - 1)], h, sb.pos[S] + k,
                                 attn.inv_freq, heads, kvh, d)
         dk = kk[None] if dk is None else torch.cat([dk, kk[None]])
         dv = vv[None] if dv is None else torch.cat([dv, vv[None]])
-        h = after_attention(layer, attn, h, ttt_attention(q, k0, v0, dk, dv, S, layout, scale, attention, compile))
+        h = out_norm(after_attention(layer, attn, h, ttt_attention(q, k0, v0, dk, dv, S, layout, scale, attention,
+                                                                    compile)))
         hs.append(h)
     pm = sb.lm & teacher.in_draft[sb.rows].view(K, R)
     acc_dtype = torch.float64 if sb.aux.dtype == torch.float64 else torch.float32
     w = (sb.w * pm.flatten()).to(acc_dtype)
-    total, ce, pred = linear_soft_cross_entropy(final_norm(model, torch.cat(hs)), model.lm_head.weight,
+    hn = torch.cat(hs) if model.config.norm_output else final_norm(model, torch.cat(hs))
+    total, ce, pred = linear_soft_cross_entropy(hn, model.lm_head.weight,
                                                 teacher.probs, sb.rows, w, compile=compile)
     with torch.no_grad():
         loss_sums = torch.where(pm, ce.view(K, R), 0).sum(1).double()
@@ -185,11 +197,13 @@ class GraphedTTT:
 
     Gradients live in persistent buffers (`grads`, the parameters' .grad) that every replay adds
     to, as autograd accumulation does, so micro-batches of one step accumulate; `zero_grads()`
-    starts a step. The optimizer must not replace or drop `.grad` (MasterAdamW keep_grads=True)."""
+    starts a step. The optimizer must not replace or drop `.grad` (MasterAdamW keep_grads=True).
+    `buckets`: how the callers' `plan_static` forms the keys (its `buckets` argument)."""
 
     def __init__(self, model: Eagle3Drafter, head: TargetHead, attention: str = "auto", compile: bool = True,
-                 warmup: int = 2):
+                 warmup: int = 2, buckets: int = 0):
         self.model, self.head, self.attention, self.compile, self.warmup = model, head, attention, compile, warmup
+        self.buckets = buckets
         self.params = [p for p in model.parameters() if p.requires_grad]
         for p in self.params:
             if p.grad is None:

@@ -4,6 +4,7 @@ Semantics (SpecForge `OnlineEagle3Model`, read from its source), per document of
 TTT step k = 0..K-1 and position t:
   input token   ids[t + 1 + k]            (id 0 past the document's end)
   hidden        fc(aux[t]) at k = 0, else the drafter's own output of step k-1 at t
+                (EAGLE 3.1: fc(per-state norms of aux[t]), and the output after the final norm)
   RoPE position t + k; attention to step-0 keys 0..t and to t's own keys of steps 1..k
   teacher       softmax over the draft vocab of lm_head_target(final[t + 1 + k])
   loss weight   decay**k * lm[t + k] * [argmax_full(final[t + 1 + k]) in draft vocab]
@@ -207,6 +208,13 @@ def _final_norm(model, h):
     return _norm(model.norm, h)
 
 
+def fc_input(model: Eagle3Drafter, aux: torch.Tensor) -> torch.Tensor:
+    """fc over the captured states; EAGLE 3.1 first norms each one (model.Eagle3Drafter.project)."""
+    if model.fc_norm is not None:
+        aux = torch.cat([_norm(n, x) for n, x in zip(model.fc_norm, aux.chunk(len(model.fc_norm), dim=-1))], dim=-1)
+    return model.fc(aux)
+
+
 _COMPILED: dict = {}
 
 
@@ -240,7 +248,8 @@ def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: floa
     loss_sums = torch.zeros(si.K, dtype=torch.float64, device=dev)
     correct = torch.zeros(si.K, si.T, dtype=torch.bool, device=dev)
 
-    h_in = model.fc(si.aux)
+    h_in = fc_input(model, si.aux)
+    norm_output = model.config.norm_output  # EAGLE 3.1: the post-norm hidden goes on, and to lm_head
     prev_h = dk = dv = k0 = v0 = None
     hs = []
     for k in range(si.K):
@@ -259,6 +268,8 @@ def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: floa
             dv = vv[None] if dv is None else torch.cat([dv[:, sel], vv[None]])
         out = ttt_attention(q, k0, v0, dk, dv, idx, si.layout, scale, attention, compile)
         h = after_attention(layer, attn, hid, out)
+        if norm_output:
+            h = final_norm(model, h)
         if si.hit[k].numel():
             hs.append(h[si.hit[k]])
         prev_h = h
@@ -269,7 +280,8 @@ def fast_ttt_loss(model: Eagle3Drafter, si: StepInputs, decay: float, norm: floa
     n = sum(x.shape[0] for x in hs)
     ks, at = si.hit_k[:n], si.hit_at[:n]
     weights = torch.tensor([(decay ** k) / norm for k in range(si.K)], dtype=acc_dtype, device=dev)[ks]
-    hn = final_norm(model, torch.cat(hs) if len(hs) > 1 else hs[0])
+    hn = torch.cat(hs) if len(hs) > 1 else hs[0]
+    hn = hn if norm_output else final_norm(model, hn)
     total, ce, pred = linear_soft_cross_entropy(hn, model.lm_head.weight, si.teacher.probs, si.rows[ks, at],
                                                 weights, compile=compile)
     with torch.no_grad():

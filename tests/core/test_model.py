@@ -190,6 +190,53 @@ def test_midlayer_math_follows_sglang():
             model.project(torch.randn(1, 1, 50))
 
 
+def test_eagle31_norms_each_captured_state_and_feeds_the_post_norm_hidden_on():
+    """EAGLE 3.1 as vLLM 0.32.0 / SGLang 0.5.23 compute it (drafter.model's docstring cites the lines): one
+    RMSNorm per aux state (not one over the concatenation) before fc, and norm(h) as the next step's hidden."""
+    model = _random_drafter(seed=1, fc_norm=True, norm_output=True)
+    embeds, aux = torch.randn(1, 4, 32), torch.randn(1, 4, 72) * torch.tensor([1.0, 5.0, 0.2]).repeat_interleave(24)
+    with torch.no_grad():
+        logits, h = model(embeds, aux)
+        chunks = aux.split(24, dim=-1)
+        hidden = model.fc(torch.cat([model.fc_norm[i](chunks[i]) for i in range(3)], -1))
+        layer = model.midlayer
+        x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(hidden)), -1)
+        pre = hidden + layer.self_attn(x, torch.arange(4)[None], None, None)
+        pre = pre + layer.mlp(layer.post_attention_layernorm(pre))
+        assert torch.allclose(h, model.norm(pre), atol=1e-6)  # post-norm, also what lm_head reads
+        assert torch.allclose(logits, model.lm_head(model.norm(pre)), atol=1e-6)
+        one_norm = torch.nn.functional.rms_norm(aux, (72,), eps=model.config.rms_norm_eps)
+        assert not torch.allclose(model.project(aux), model.fc(one_norm), atol=1e-3)  # per state, not one norm
+        assert torch.equal(model.project(h), h)  # the drafter's own hidden skips fc and its norms
+
+
+def test_eagle3_config_is_unchanged_and_eagle31_round_trips(tmp_path):
+    """eagle3's config.json carries no 3.1 flag (existing exports stay byte for byte); eagle3.1's
+    flags and fc_norm weights survive save / load, and a missing fc_norm weight is refused."""
+    from drafter.model import DRAFTERS
+
+    assert "fc_norm" not in small_config().to_json_dict() and "norm_output" not in small_config().to_json_dict()
+    assert small_config().drafter == "eagle3"
+    from drafter.model import set_draft_vocab
+
+    model = _random_drafter(seed=4, **DRAFTERS["eagle3.1"])
+    set_draft_vocab(model, torch.arange(0, 80, 2))
+    assert model.config.drafter == "eagle3.1"
+    save_drafter(model, tmp_path / "d")
+    data = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert (data["fc_norm"], data["norm_output"]) == (True, True)
+    loaded = load_drafter(tmp_path / "d")
+    assert loaded.config.drafter == "eagle3.1"
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    tensors = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(tensors)
+    del tensors["fc_norm.1.weight"]
+    save_file(tensors, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(DrafterCheckpointError, match=r"missing keys: \['fc_norm.1.weight'\]"):
+        load_drafter(tmp_path / "d")
+
+
 def test_attention_fast_path_equals_the_plain_formula():
     """The serving attention (one cos/sin for q and k, SDPA's own GQA) gives exactly the numbers of
     the plain formula: RoPE on q and k separately, k/v repeated per query head, causal SDPA."""

@@ -11,13 +11,15 @@ from drafter.training.ttt import dense_ttt_loss, fast_ttt_loss, prepare
 from tests.fixtures.ttt import tiny_ttt_case
 
 
-@pytest.mark.parametrize("attention,tokens,docs", [("math", 48, 8), ("flash", 48, 8), ("flash", 80, 16)])
-def test_static_step_equals_fast_path_and_dense_reference(attention, tokens, docs, monkeypatch):
+@pytest.mark.parametrize("attention,tokens,docs,drafter", [("math", 48, 8, "eagle3"), ("flash", 48, 8, "eagle3"),
+                                                            ("flash", 80, 16, "eagle3"), ("flash", 48, 8, "eagle3.1")])
+def test_static_step_equals_fast_path_and_dense_reference(attention, tokens, docs, drafter, monkeypatch):
     """Padding to fixed shapes, one position set for every step and zero-weight loss rows change
     nothing: same loss, gradients and statistics (float64; `flash` runs the merge algebra with the
-    plain varlen kernel, including the empty trailing documents of the padded layout)."""
+    plain varlen kernel, including the empty trailing documents of the padded layout); for EAGLE 3.1
+    too (per-state norms before fc, post-norm feedback)."""
     monkeypatch.setattr(attn_mod, "FLASH_KERNELS", [attn_mod.reference_flash_fwd, attn_mod.reference_flash_bwd])
-    m, embed, head, mb = tiny_ttt_case()
+    m, embed, head, mb = tiny_ttt_case(drafter=drafter)
     K, norm = 4, float(mb.num_tokens)
     th = TargetHead(head, m.t2d, "cpu", torch.float64, vocab_chunk=16)
     sb = plan_static(mb, K, 0.8, norm, tokens=tokens, row_multiple=8, embed=embed).to("cpu", torch.float64)

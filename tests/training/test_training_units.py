@@ -86,14 +86,16 @@ def test_warmup_then_cosine():
 
 # ---- the unroll
 
+@pytest.mark.parametrize("drafter", ["eagle3", "eagle3.1"])
 @pytest.mark.parametrize("attention", ["math", "flash"])
-def test_fast_path_equals_dense_reference_loss_and_gradients(attention, monkeypatch):
+def test_fast_path_equals_dense_reference_loss_and_gradients(attention, drafter, monkeypatch):
     """Skipping inactive positions, packing, the restricted teacher and (for `flash`) the log-sum-exp
     merge with the kernel's backward give the dense implementation's loss and gradients (float64;
     `flash` runs the merge algebra with a plain varlen kernel, the CUDA one is checked by
-    benchmarks/bench_train.py --exactness)."""
+    benchmarks/bench_train.py --exactness). EAGLE 3.1: the dense reference is the serving forward
+    (per-state norms before fc, post-norm feedback), so both parts are trained as served."""
     monkeypatch.setattr(attn_mod, "FLASH_KERNELS", [attn_mod.reference_flash_fwd, attn_mod.reference_flash_bwd])
-    m, embed, head, mb = tiny_ttt_case()
+    m, embed, head, mb = tiny_ttt_case(drafter=drafter)
     K = 4
     si = prepare(mb, embed, TargetHead(head, m.t2d, "cpu", torch.float64, vocab_chunk=16), K, "cpu", torch.float64)
     assert si.active.sum() < si.active.numel()  # the fast path really skips work here
@@ -106,6 +108,11 @@ def test_fast_path_equals_dense_reference_loss_and_gradients(attention, monkeypa
     for (name, _), a, b in zip(m.named_parameters(), gf, gd):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
     assert stats.shape == (K, 6) and (stats[:, 1] <= stats[:, 2]).all()
+    if drafter == "eagle3.1":  # the 3.1 parts are trained (non-zero gradients) and change the loss
+        grads = dict(zip([n for n, _ in m.named_parameters()], gf))
+        assert all(grads[f"fc_norm.{i}.weight"].abs().sum() > 0 for i in range(3))
+        m.config.norm_output = False  # pre-norm feedback: another loss, so the flag is what the paths agree on
+        assert abs(float(dense_ttt_loss(m, mb, embed, head, m.t2d, K, 0.8, float(mb.num_tokens)).detach() - ld)) > 1e-6
 
 
 def test_accuracy_statistics_are_consistent():
