@@ -17,7 +17,10 @@ What is measured, and where it comes from:
 - draft acceptance (accepted / proposed drafts) where meta_info reports it, and per-position
   acceptance where the engine reports it (vLLM `..._per_pos`);
 - draft accept length: 1 + accepted drafts / verifies, without SGLang's prefill token: the offline
-  judge's figure and what each engine's forced acceptance sets (drafter.bench.predict's curve).
+  judge's figure and what each engine's forced acceptance sets (drafter.bench.predict's curve);
+- by request (`by_request`): per request its context (prompt + completion tokens), verifies and
+  accepted drafts, where the answer carries them (SGLang-style meta_info), for accept length by
+  context position; None where the engine only has aggregate counters (vLLM's /metrics).
 """
 from __future__ import annotations
 
@@ -110,7 +113,7 @@ def one_request(client: httpx.Client, api: ClientApi, prompt: Prompt, max_tokens
     start = time.perf_counter()
     first = last = None
     meta: dict = {}
-    tokens = None
+    tokens = prompt_tokens = None
     try:
         if api.stream:
             with client.stream("POST", path, json=body) as resp:
@@ -147,6 +150,7 @@ def one_request(client: httpx.Client, api: ClientApi, prompt: Prompt, max_tokens
                 tokens = int(meta.get("completion_tokens", 0) or 0)
             else:
                 tokens = int((answer.get("usage") or {}).get("completion_tokens", 0) or 0)
+                prompt_tokens = (answer.get("usage") or {}).get("prompt_tokens")
     except httpx.HTTPError as err:
         raise MeasurementError(f"POST {path} failed: {type(err).__name__}: {err}") from err
     end = time.perf_counter()
@@ -157,7 +161,26 @@ def one_request(client: httpx.Client, api: ClientApi, prompt: Prompt, max_tokens
     for key in ("spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts"):
         if meta.get(key) is not None:
             out[key] = int(meta[key])
+    prompt_tokens = meta.get("prompt_tokens", prompt_tokens)
+    if prompt_tokens is None and not isinstance(prompt, str):
+        prompt_tokens = len(prompt)  # token ids: their count is the prompt's length
+    out["prompt_tokens"] = int(prompt_tokens) if prompt_tokens is not None else None
     return out
+
+
+def by_request(results: list[dict]) -> tuple[list[list[int]] | None, str | None]:
+    """Per request [context (prompt + completion tokens), verifies, accepted drafts] and which
+    figure the accepted drafts are: `draft` (the answer counts them: 1 + accepted / verifies) or
+    `completion / verifies` (SGLang's meta_info figure, completion - verifies taken as accepted).
+    (None, None) where an answer carries no verify count or prompt length (no speculation, or an
+    engine with aggregate counters only)."""
+    if not results or any(not r.get("spec_verify_ct") or r.get("prompt_tokens") is None for r in results):
+        return None, None
+    exact = all(r.get("spec_num_correct_drafts") is not None for r in results)
+    rows = [[r["prompt_tokens"] + (r["completion_tokens"] or 0), r["spec_verify_ct"],
+             r["spec_num_correct_drafts"] if exact else (r["completion_tokens"] or 0) - r["spec_verify_ct"]]
+            for r in results]
+    return rows, "draft" if exact else "completion / verifies"
 
 
 def _run_at(client: httpx.Client, api: ClientApi, prompts: Sequence[Prompt], concurrency: int,
@@ -240,6 +263,7 @@ def measure(base_url: str, api: ClientApi, prompts: Sequence[Prompt], *, batch_s
             proposed, correct = int(delta["draft_tokens"]), int(delta["accepted_tokens"])
     elif verify:
         accept = tokens / verify
+    requests, figure = by_request(results)
     return {
         "batch_size": batch_size, "requests": len(results), "completion_tokens": tokens, "wall_s": wall,
         "output_tok_s": tokens / wall if wall > 0 else None,
@@ -256,4 +280,5 @@ def measure(base_url: str, api: ClientApi, prompts: Sequence[Prompt], *, batch_s
         "step_time_s": busy / tokens if tokens else None,
         "cycle_time_s": busy / verify if verify else None,
         "flush_cache": flushed, "warmup_requests": warmup_requests, "started_at": started_at,
+        "by_request": requests, "by_request_figure": figure,
     }

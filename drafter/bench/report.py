@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from drafter.bench.predict import not_honoured
+from drafter.contracts.context_curve import accept_by_context, bucket_edges
 
 
 def _num(value: float | None, fmt: str = "{:.1f}") -> str:
@@ -147,9 +148,76 @@ def accept_curve_section(curves: Sequence[dict]) -> list[str]:
     return parts
 
 
+def accept_by_context_position(measurements: Sequence[dict], engine: str, context: int | None,
+                               edges: Sequence[int] | None = None) -> list[dict]:
+    """Per drafter setting and batch size (forced-acceptance servers and the baseline left out):
+    accept length by context position over every round, each request placed at its context
+    (prompt + completion tokens), in the export judge's buckets. `curve` None, with `why`, where
+    the engine's answers carry no per-request acceptance (aggregate counters only) or the records
+    predate it; never estimated."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for m in measurements:
+        if m.get("baseline") or m.get("forced_accept_length") is not None or not m.get("verify_ct"):
+            continue
+        groups.setdefault((m["config"], m["batch_size"]), []).append(m)
+    out = []
+    for (config, bs), ms in groups.items():
+        entry = {"config": config, "batch_size": bs, "curve": None, "figure": None, "why": None}
+        if any("by_request" not in m for m in ms):
+            entry["why"] = "measured before per-request acceptance was recorded"
+        elif any(m["by_request"] is None for m in ms):
+            entry["why"] = (f"engine {engine} reports acceptance only as aggregate counters (no per-request "
+                            "figure): no accept length by context position")
+        else:
+            rows = [r for m in ms for r in m["by_request"]]
+            entry["curve"] = accept_by_context(rows, bucket_edges(context, edges, longest=max(r[0] for r in rows)),
+                                               context, requests=True)
+            entry["figure"] = ms[0]["by_request_figure"]
+        out.append(entry)
+    return out
+
+
+def context_lines(entries: Sequence[dict]) -> list[str]:
+    """One line per setting and batch size: its accept length in each context bucket."""
+    lines = []
+    for e in entries:
+        head = f"accept length by context position at {e['config']} @ batch {e['batch_size']}: "
+        if e["curve"] is None:
+            lines.append(head + e["why"])
+            continue
+        lines.append(head + ", ".join(
+            f"{b['positions']} " + (f"{b['accept_length']:.2f}" if b["accept_length"] is not None else "—")
+            + f" ({b['requests']} requests)" for b in e["curve"]))
+    return lines
+
+
+def context_section(entries: Sequence[dict]) -> list[str]:
+    """Markdown: accept length by context position, per setting and batch size."""
+    if not entries:
+        return []
+    parts = ["## Accept length by context position", ""]
+    for e in entries:
+        parts += [f"### {e['config']}, batch {e['batch_size']}", ""]
+        if e["curve"] is None:
+            parts += [f"- {e['why']}", ""]
+            continue
+        figure = "1 + accepted / verifies" if e["figure"] == "draft" else e["figure"]
+        parts.append(markdown_table([{"context positions": b["positions"], "requests": b["requests"],
+                                      "verifies": b["blocks"],
+                                      f"accept length ({figure})": _num(b["accept_length"], "{:.2f}")}
+                                     for b in e["curve"]]))
+    parts += ["Each request counts at its context: prompt + completion tokens, where its last draft block ran "
+              "(its earlier blocks started up to bench.max_tokens before it). Accept length: 1 + accepted drafts / "
+              "verifies where the engine's answer counts accepted drafts, else completion tokens / verifies "
+              "(SGLang's figure). A bucket without requests is empty (—), not zero; the offline judge's curve "
+              "(export) places every draft block at its own position.", ""]
+    return parts
+
+
 def markdown(summary: dict, rows: Sequence[dict], *, plan: dict, failures: dict[str, dict],
              launches: Sequence[dict], hardware: dict, settings: dict, notes: Sequence[str] = (),
-             head_to_head: Sequence[dict] = (), accept_curves: Sequence[dict] = ()) -> str:
+             head_to_head: Sequence[dict] = (), accept_curves: Sequence[dict] = (),
+             by_context: Sequence[dict] = ()) -> str:
     b = settings
     parts = ["# Bench report", "",
              f"Engine `{plan['engine']}`, {b['num_prompts']} held-out prompts, {b['max_tokens']} new tokens "
@@ -170,6 +238,7 @@ def markdown(summary: dict, rows: Sequence[dict], *, plan: dict, failures: dict[
                   "interval as the speedup (the champion in the baseline's place).", ""]
     if accept_curves:
         parts += accept_curve_section(accept_curves)
+    parts += context_section(by_context)
     parts += ["## Baseline drift", ""]
     for bs, d in summary["drift"].items():
         if d["relative_change"] is None:

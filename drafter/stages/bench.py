@@ -42,7 +42,8 @@ from drafter.bench.answer import answer, deploy, deploy_section, ordered, settin
 from drafter.bench.plan import BASELINE, SweepPlan, plan_sweep
 from drafter.bench.predict import build_curves, fmt_speedup
 from drafter.bench.prompts import build_prompts
-from drafter.bench.report import head_to_head_rows, markdown, plot_png, table_rows
+from drafter.bench.report import (
+    accept_by_context_position, context_lines, head_to_head_rows, markdown, plot_png, table_rows)
 from drafter.bench.stats import head_to_head
 from drafter.bench.stats import summarize as summarize_measurements
 from drafter.bench.sweep import FIXES, Sweep, failure_name, hardware
@@ -111,6 +112,7 @@ def summarize(inputs: Inputs, out: StageOutput) -> Summary:
     summary += [f"challenger vs champion, {r['setting']} @ batch {r['batch']}: {r['challenger / champion tok/s [CI]']}, "
                 f"{r['verdict']}" for r in head_to_head_rows(report.get("head_to_head") or [])]
     summary += curve_lines(report.get("accept_curves") or [])
+    summary += context_lines(report.get("by_context") or [])
     summary += deploy_lines(report.get("deploy"))
     summary.append(f"report: {out.store.uri(out.key('report.md'))}")
     headline = answer(report["summary"], report["plan"], report["settings"]["confidence"])
@@ -202,13 +204,18 @@ def build(inputs: Inputs, out: StageOutput) -> Built:
         notes.append(engine.not_streaming_note)
     plan_d = plan.to_dict()
     deployed = deploy(summary, plan) if len(plan.batch_sizes) > 1 else None
+    # the export judge's buckets, each request at its context (engines with per-request counters only)
+    by_context = accept_by_context_position(outcome.measurements, cfg.serve.engine, built.context,
+                                            cfg.export.context_bucket_edges)
     md = markdown(summary, rows, plan=plan_d, failures=outcome.failures, launches=outcome.launches,
-                  hardware=hw, settings=_settings(cfg), notes=notes, head_to_head=versus, accept_curves=curves)
+                  hardware=hw, settings=_settings(cfg), notes=notes, head_to_head=versus, accept_curves=curves,
+                  by_context=by_context)
     md = with_answer(md, answer(summary, plan_d, b.confidence), setting_lines(summary, plan_d, outcome.failures),
                      deploy_section(deployed["choices"], plan.engine, deployed["config"]) if deployed else ())
     report = {"summary": summary, "table": rows, "plan": plan_d, "failures": outcome.failures, "deploy": deployed,
               "launches": outcome.launches, "hardware": hw, "settings": _settings(cfg), "notes": notes,
               "drafters": identity, "drafter_paths": drafters, "head_to_head": versus, "accept_curves": curves,
+              "by_context": by_context,
               "measurements": len(outcome.measurements),
               "prompts": {"used": len(prompts), "dropped_too_long": built.dropped, "context": built.context}}
     out.write_shard("report.json", json.dumps(report, indent=1, sort_keys=True, default=str))
