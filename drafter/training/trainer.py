@@ -64,10 +64,13 @@ class TTTModule(torch.nn.Module):
         return fast_ttt_loss(self.drafter, si, decay, norm, attention, compile, return_correct)
 
 
-def check_init_from(model: Eagle3Drafter, target: dict, aux_layer_ids: list[int], draft_vocab_size: int) -> None:
-    """Refuse a starting drafter that does not fit the target, naming each field."""
+def check_init_from(model: Eagle3Drafter, target: dict, aux_layer_ids: list[int], draft_vocab_size: int,
+                    drafter: str = "eagle3") -> None:
+    """Refuse a starting drafter that does not fit the target or `train.drafter`, naming each field."""
     c = model.config
     problems = []
+    if c.drafter != drafter:  # eagle3 weights have no fc_norm; eagle3.1's were trained with post-norm feedback
+        problems.append(f"drafter: {c.drafter}, train.drafter is {drafter}")
     for name, got, want in (("hidden_size", c.hidden_size, target["hidden_size"]),
                             ("target_hidden_size", c.target_hidden_size, target["hidden_size"]),
                             ("vocab_size", c.vocab_size, target["vocab_size"]),
@@ -183,10 +186,10 @@ def _build_model(cfg: LifecycleConfig, target: dict, aux_ids: list[int], train_r
     tc = cfg.train
     if tc.init_from:
         model = load_drafter(tc.init_from, dtype=torch.float32)
-        check_init_from(model, target, aux_ids, tc.draft_vocab_size)
+        check_init_from(model, target, aux_ids, tc.draft_vocab_size, tc.drafter)
         model.embed_tokens = None  # the target's embedding is used (frozen), as SGLang does
         return model.train(), "init_from"
-    config = draft_config_for_target(target, aux_ids, tc.draft_vocab_size)
+    config = draft_config_for_target(target, aux_ids, tc.draft_vocab_size, tc.drafter)
     model = Eagle3Drafter(config)
     _init_weights(model, tc.seed, float(target.get("initializer_range", 0.02)))
     counts = count_vocab(train_reader, config.vocab_size)
