@@ -322,6 +322,9 @@ def summarize(inputs: Inputs, out: StageOutput) -> Summary:
              {"metric": "vLLM accept length (real vLLM, /metrics deltas)",
               "value": f"{judge['vllm']['accept_length']:.3f}" if "vllm" in judge else "-"},
              {"metric": "per position", "value": fmt(judge["per_position"])},
+             {"metric": "accept length, farthest context judged", "value": next(
+                 (f"{b['accept_length']:.3f} at {b['positions']} ({b['blocks']} draft blocks)"
+                  for b in reversed(judge.get("by_context") or []) if b["blocks"]), "-")},
              {"metric": "draft vocab", "value": f"{export['draft_vocab']['size']} ({export['draft_vocab']['hash']})"},
              {"metric": "target", "value": export["target"]["fingerprint"]},
              {"metric": "dump", "value": export["dump_fingerprint"]}]

@@ -140,6 +140,8 @@ def test_export_judgement_has_the_curve_with_the_training_lengths_beside_it(upst
     assert "export:   [256, 512)    —  (0 draft blocks); trained samples reaching it: 0, ending in it: 0 — " \
            "untrained at these lengths" in lines  # said as it is judged (the demo's run log)
     assert "last_bucket" in judge["verdict"] and judge["verdict"]["last_bucket"] is None  # the gate is off
+    row = next(r for r in result.table if r["metric"] == "accept length, farthest context judged")
+    assert row["value"] == f"2.000 at [128, 256) ({curve[2]['blocks']} draft blocks)"  # [256, 512) is empty
 
 
 def test_without_recorded_lengths_the_cut_says_where_it_never_trained(pair, eval_conversations, tmp_path):
