@@ -331,6 +331,20 @@ def serve(config: Path = ConfigOpt,
     raise typer.Exit(result.get("exit_code", 0))
 
 
+@app.command("smoke")
+def smoke(config: Path = ConfigOpt,
+          verbose: bool = typer.Option(False, help="also echo the stages' and the servers' own lines")) -> None:
+    """The lifecycle's contracts end to end in minutes, on this profile: a few prompts through datagen,
+    a small dump (re-checked layer by layer), a drafter overfit on them, export, the profile's engine
+    serving it, and a full draft block accepted on a training prompt. Outputs under <storage.root>/smoke;
+    a failure is one line naming the step and the contract it broke."""
+    from drafter.smoke import run_smoke
+
+    echo = lambda line: typer.echo(line, err=True)  # noqa: E731
+    report = run_smoke(_load(config), on_step=echo, on_line=echo if verbose else None)
+    typer.echo(report.line())
+
+
 @app.command("outputs")
 def outputs(config: Path = ConfigOpt) -> None:
     """List every committed stage output in the configured store (stage, fingerprint, size, URI)."""

@@ -155,15 +155,31 @@ def lifecycle_flow(table: StageTable) -> Flow:
     StageName = Literal[tuple(table.names)]  # the UI shows this as a multi-select
 
     def drafter_lifecycle(profile: str = "profiles/demo.yaml", config: Optional[LifecycleConfig] = None,
-                          stages: list[StageName] = list(table.names)) -> dict:
-        """Run the selected stages in lifecycle order. `config` wins over `profile` when given."""
+                          stages: list[StageName] = list(table.names), run_smoke_first: bool = False) -> dict:
+        """Run the selected stages in lifecycle order. `config` wins over `profile` when given.
+        `run_smoke_first`: the smoke run (flows/smoke.py) first; when it fails, no stage runs."""
         resolved = resolve(profile, config, stages, table.names)
         if isinstance(resolved, Refused):  # a bad profile, no stage selected: one line, no traceback
             return refuse(resolved)
         cfg, stages = resolved
+        if run_smoke_first and (failed := smoke_first(cfg)) is not None:
+            return failed
         return run_stages(table, subflows, cfg, stages, profile if config is None else None)
 
     return flow(drafter_lifecycle, name="drafter-lifecycle", log_prints=True, **REAP)
+
+
+def smoke_first(cfg: LifecycleConfig) -> Optional[State]:
+    """The smoke run as a subflow: None when it passed, else the Failed state that ends the run with
+    its reason."""
+    from flows.smoke import drafter_smoke  # here: flows/smoke.py imports this module
+
+    state = drafter_smoke(config=cfg, return_state=True)
+    if state.is_completed():
+        return None
+    line = f"smoke run failed, no stage was run: {state.message}"
+    get_run_logger().error(line)
+    return Failed(message=line)
 
 
 def answer_line(result: dict) -> str:

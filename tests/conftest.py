@@ -65,6 +65,8 @@ SLOW_MODULES = {
     "test_one_run_per_output",
     # Real multi-process training (torchrun, gloo): DDP/FSDP parity, kill -9 / SIGTERM of `drafter train`.
     "test_training_distributed", "test_train_hardening",
+    # The smoke run: every stage, a datagen server and a drafter server (reference engine, real vLLM).
+    "test_smoke", "test_smoke_vllm",
 }
 SLOW_FIXTURES = {
     "prefect_server",  # a Prefect test server (~11 s to start) and flow runs through it

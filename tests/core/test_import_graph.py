@@ -22,8 +22,9 @@ PACKAGE = "drafter"
 # Stages that exchange work through the store: none imports another (what they share is in
 # drafter/contracts).
 STAGE_PACKAGES = ("prepare", "datagen", "capture", "training", "export", "bench", "retrain")
-# Wiring of the stages (the stage table, the CLI): may import anything, nothing below imports it.
-ORCHESTRATION = ("stages", "cli")
+# Wiring of the stages (the stage table, the smoke run over it, the CLI): may import anything,
+# nothing below imports it.
+ORCHESTRATION = ("stages", "smoke", "cli")
 
 
 def _module_name(path: Path) -> str:
