@@ -6,7 +6,9 @@ Three things go silently wrong in this format and are handled here:
   (output of layer i) are written +1 and the conversion is recorded next to them;
 - norm flags: speculators' `norm_before_residual` defaults to TRUE in vLLM when absent and
   `norm_output` means Eagle-3.1's post-norm feedback (not SpecForge's "norm before lm_head"):
-  every flag is written explicitly with the value that matches our network (all false);
+  every flag is written explicitly with the value that matches our network (`norm_flags`: all
+  false for eagle3; `fc_norm` and `norm_output` true for eagle3.1, read by vLLM 0.32.0 in
+  transformers_utils/configs/speculators/algos.py l.33-38);
 - vocab maps: `d2t`/`t2d` buffers are required when the draft vocab is smaller than the target's
   (without `d2t` vLLM maps draft ids to the first N target ids) and refused by vLLM when it is the
   same size (contract section 9): left out then.
@@ -26,9 +28,15 @@ from drafter.model import CONFIG_FILE, WEIGHTS_FILE, Eagle3DraftConfig
 
 VLLM_LAYER_ID_CONVENTION = INPUT_OF_LAYER_CONVENTION  # vLLM / speculators / ModelOpt: HF hidden_states[i]
 ARCHITECTURES = ["Eagle3DraftModel"]                # what speculators tags a saved Eagle-3 draft with
-# Our network (drafter.model): residual = the incoming hidden (un-normed), no norm on the fc input,
-# the PRE-norm hidden fed to the next step.
+# Our network (drafter.model): residual = the incoming hidden (un-normed), no single norm over the fc
+# input (norm_before_fc); EAGLE 3.1 adds one norm per captured state (fc_norm) and feeds the
+# post-norm hidden to the next step (norm_output).
 NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+
+
+def norm_flags(cfg: Eagle3DraftConfig) -> dict[str, bool]:
+    """The speculators norm flags of a drafter: NORM_FLAGS with its EAGLE 3.1 parts."""
+    return {**NORM_FLAGS, "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}
 _RENAME = (("midlayer.", "layers.0."),)
 
 
@@ -94,7 +102,7 @@ def write_vllm(sglang_dir: str | Path, target: TargetInfo, out_dir: str | Path, 
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": target.hidden_size,
         "eagle_aux_hidden_state_layer_ids": ids,
-        **NORM_FLAGS,
+        **norm_flags(cfg),
         "torch_dtype": cfg.torch_dtype,
         PROVENANCE_KEY: {
             "layer_id_convention": VLLM_LAYER_ID_CONVENTION,
@@ -138,10 +146,11 @@ def check_vllm_export(out_dir: str | Path, sglang_dir: str | Path, target: Targe
     if data.get("eagle_aux_hidden_state_layer_ids") != want:
         problems.append(f"eagle_aux_hidden_state_layer_ids={data.get('eagle_aux_hidden_state_layer_ids')}, expected "
                         f"{want} (our {list(our_aux_ids)} + 1: vLLM counts the input of layer i)")
-    for flag, value in NORM_FLAGS.items():
+    sglang_cfg = Eagle3DraftConfig.load(sglang_dir / CONFIG_FILE)
+    for flag, value in norm_flags(sglang_cfg).items():
         if data.get(flag) is not value:
-            problems.append(f"{flag}={data.get(flag)!r}, expected {value} (vLLM's default for a missing "
-                            "norm_before_residual is true)")
+            problems.append(f"{flag}={data.get(flag)!r}, expected {value} (the drafter is {sglang_cfg.drafter}; "
+                            "vLLM's default for a missing norm_before_residual is true)")
     layer = data.get("transformer_layer_config") or {}
     if layer.get("vocab_size") != target.vocab_size:
         problems.append(f"transformer_layer_config.vocab_size={layer.get('vocab_size')}, expected {target.vocab_size}")

@@ -147,15 +147,23 @@ def test_export_refuses_a_layer_id_combination_nobody_read():
 
 # ----------------------------------------------------------------------------- the real vLLM client
 
-def test_vllm_export_loads_in_speculators_with_our_logits(pair, tmp_path):
+@pytest.mark.parametrize("drafter", ["eagle3", "eagle3.1"])
+def test_vllm_export_loads_in_speculators_with_our_logits(pair, tmp_path, drafter):
+    """speculators' own Eagle3DraftModel on our vLLM export gives our logits for two TTT steps; for
+    EAGLE 3.1 that covers its per-state norms before fc and the post-norm hidden fed to step 2."""
     from speculators import SpeculatorModel, SpeculatorModelConfig
 
-    from drafter.model import DraftKVCache, Eagle3Drafter, ttt_attention_mask
+    from drafter.model import DRAFTERS, DraftKVCache, Eagle3DraftConfig, Eagle3Drafter, ttt_attention_mask
 
     target, draft = pair
     info = TargetInfo.read(target)
     # A drafter with every weight random (the successor drafter zeroes o_proj / down_proj).
     src = load_drafter(draft)
+    if drafter != "eagle3":  # the same drafter with the variant's parts (weights randomised below)
+        variant = Eagle3Drafter(Eagle3DraftConfig.from_json_dict({**src.config.to_json_dict(), **DRAFTERS[drafter]}))
+        variant.d2t.copy_(src.d2t)
+        variant.t2d.copy_(src.t2d)
+        src = variant
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in src.named_parameters():
@@ -167,7 +175,8 @@ def test_vllm_export_loads_in_speculators_with_our_logits(pair, tmp_path):
     data = json.loads((tmp_path / "v" / "config.json").read_text())
     assert data["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert data["speculators_config"]["verifier"]["name_or_path"] == info.path
-    assert (data["norm_before_residual"], data["norm_output"]) == (False, False)
+    assert (data["norm_before_residual"], data["norm_before_fc"]) == (False, False)
+    assert (data["fc_norm"], data["norm_output"]) == ((False, False) if drafter == "eagle3" else (True, True))
 
     config = SpeculatorModelConfig.from_pretrained(str(tmp_path / "v"))
     config.transformer_layer_config._attn_implementation = "eager"  # flex attention needs len % 128 on CPU
@@ -178,6 +187,8 @@ def test_vllm_export_loads_in_speculators_with_our_logits(pair, tmp_path):
     T, H = 19, info.hidden_size
     g = torch.Generator().manual_seed(5)
     aux = torch.randn(1, T, 3 * H, generator=g)
+    if drafter != "eagle3":  # states of different scales: one norm over the concatenation would differ
+        aux = aux * torch.tensor([1.0, 8.0, 0.1]).repeat_interleave(H)
     ids = torch.randint(0, info.vocab_size, (1, T), generator=g)
     captured = []
     hook = model.lm_head.register_forward_hook(lambda m, i, o: captured.append(o.detach()))
@@ -290,6 +301,32 @@ def test_planted_key_renamed(pair, tmp_path):
     msg = _problems(out, src, info)
     assert "misses keys SGLang loads" in msg and "midlayer.self_attn.q_proj.weight" in msg
     assert "outside the SGLang layout" in msg and "'layers.0.' is the speculators/vLLM name" in msg
+
+
+def test_planted_eagle31_flag_dropped_is_refused_in_both_formats(pair, tmp_path):
+    """An EAGLE 3.1 export that lost a flag loads in SGLang / vLLM without a word (fc_norm's weights
+    dropped, or the pre-norm hidden fed on): the read-back checks name the flag and the keys."""
+    from drafter.model import DRAFTERS, Eagle3DraftConfig, Eagle3Drafter
+
+    target, draft = pair
+    info, src3 = TargetInfo.read(target), load_drafter(draft)
+    src = Eagle3Drafter(Eagle3DraftConfig.from_json_dict({**src3.config.to_json_dict(), **DRAFTERS["eagle3.1"]}))
+    src.load_state_dict(src3.state_dict(), strict=False)  # fc_norm keeps its init: ones
+    write_sglang(src, info, tmp_path / "s", AUX)
+    assert check_sglang_export(tmp_path / "s", src, info, AUX) == []
+    write_vllm(tmp_path / "s", info, tmp_path / "v", AUX, 3)
+    assert check_vllm_export(tmp_path / "v", tmp_path / "s", info, AUX) == []
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(load_file(str(tmp_path / "v" / "model.safetensors")))
+
+    _edit_config(tmp_path / "s", lambda d: d.pop("fc_norm"))
+    msg = _problems(tmp_path / "s", src, info)
+    assert "fc_norm=None, expected True (the trained drafter is eagle3.1" in msg
+    assert "outside the SGLang layout" in msg and "fc_norm.0.weight" in msg  # SGLang would drop them
+    _edit_config(tmp_path / "v", lambda d: d.update(norm_output=False))
+    problems = "\n".join(check_vllm_export(tmp_path / "v", tmp_path / "s", info, AUX))
+    assert "norm_output=False, expected True" in problems
+    write_sglang(src3, info, tmp_path / "s3", AUX)  # eagle3 exports carry no 3.1 flag at all
+    assert not {"fc_norm", "norm_output"} & set(json.loads((tmp_path / "s3" / "config.json").read_text()))
 
 
 def test_planted_drafter_trained_for_another_target(pair, eval_conversations, tmp_path):
