@@ -101,8 +101,9 @@ def plan_static(mb: MicroBatch, K: int, decay: float, norm: float, tokens: int, 
 
     `buckets` 0: rows by `bucket_rows`, documents and the longest one by powers of two (~8 row
     sizes per doubling, each a shape key). N > 0: a few fixed keys: the length rounded up to a
-    multiple of `tokens`, the rows to a multiple of 1/N of it, at least T/16 documents and the
-    longest one taken as T: at most N keys per multiple of `tokens`, at the cost of more padded rows."""
+    multiple of `tokens`, the rows to a multiple of 1/N of it, the padding one document, at least
+    T/16 document slots and the longest document taken as T: at most N keys per multiple of
+    `tokens` (more only past T/16 documents), at the cost of more padded rows."""
     if e_next is None:
         e_next = embed_next(mb, embed)
     n = mb.num_tokens
@@ -127,7 +128,7 @@ def plan_static(mb: MicroBatch, K: int, decay: float, norm: float, tokens: int, 
     # The padding is split into documents no longer than the real ones (rounded to a power of
     # two), so the attention kernel's max length, and the shape key, do not follow the padding.
     n_docs = len(mb.doc_lens)
-    split = min(T, _pow2(max(max(mb.doc_lens), 1)))
+    split = T if buckets else min(T, _pow2(max(max(mb.doc_lens), 1)))  # buckets: the padding is one document
     pad_lens = [split] * (pad // split) + ([pad % split] if pad % split else [])
     lens = list(mb.doc_lens) + pad_lens
     D = max(_pow2(len(lens)), _pow2(T // 16) if buckets else 1)

@@ -363,7 +363,8 @@ def _optimizer_step(r: _Run, p: _Parts, sched: _Schedule, st: _State, group: lis
     stats = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64, device=d.device)
     for i, (_c, mb, _n) in enumerate(mine):
         if p.graphed is not None:  # one replay adds this micro-batch's gradients
-            sb = plan_static(mb, tc.ttt_length, tc.ttt_decay, norm, tc.tokens_per_micro_batch, embed=p.embed)
+            sb = plan_static(mb, tc.ttt_length, tc.ttt_decay, norm, tc.tokens_per_micro_batch, embed=p.embed,
+                             buckets=p.graphed.buckets)
             stats += p.graphed(sb)[1]
             continue
         si = prepare(mb, p.embed, p.head, tc.ttt_length, d.device, p.dtype)
