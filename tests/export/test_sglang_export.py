@@ -1,7 +1,8 @@
 """Our SGLang export checked by SGLang 0.5.23's OWN draft-model code, run in the lite SGLang venv
 (`make sglang-env`; a missing venv FAILS these tests through the `sglang_py` fixture, never skips).
 
-One probe process (tests/sglang_probe/export_load.py) serves the whole module: for each export it
+One probe process (tests/sglang_probe/export_load.py) serves the whole module (an EAGLE 3.1 export
+among them: fc_norm and norm_output): for each export it
 builds SGLang's `LlamaForCausalLMEagle3`, fills every parameter with NaN, runs SGLang's own
 `load_weights`, compares each parameter with the file (fused qkv = cat(q, k, v), gate_up =
 cat(gate, up)), reads `hot_token_id`, and runs one EXTEND forward (attention: a causal SDPA backend
@@ -79,12 +80,8 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().nan_to_num(float("inf")).max())
 
 
-@pytest.fixture(scope="module")
-def exports(tiny_target, tmp_path_factory) -> dict:
-    """The good export (our write_sglang), its planted copies, the forward inputs and our reference."""
-    root = tmp_path_factory.mktemp("sglang-export")
-    model = load_drafter(init_random_drafter(tiny_target, root / "draft", AUX, DRAFT_VOCAB, seed=0))
-    gen = torch.Generator().manual_seed(1)
+def _random_drafter(tiny_target, out, gen, drafter="eagle3"):
+    model = load_drafter(init_random_drafter(tiny_target, out, AUX, DRAFT_VOCAB, seed=0, drafter=drafter))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):  # each norm its own non-unit weights: a swap changes the output
@@ -93,6 +90,16 @@ def exports(tiny_target, tmp_path_factory) -> dict:
                 param.mul_(10)
         # A scattered draft vocab (d2t non-zero): an ignored d2t would not equal arange.
         set_draft_vocab(model, torch.randperm(model.config.vocab_size, generator=gen)[:DRAFT_VOCAB])
+    return model
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_target, tmp_path_factory) -> dict:
+    """The good export (our write_sglang), its planted copies, an EAGLE 3.1 export (`eagle31`: fc_norm
+    and norm_output, its own random weights), the forward inputs and our reference for each."""
+    root = tmp_path_factory.mktemp("sglang-export")
+    gen = torch.Generator().manual_seed(1)
+    model = _random_drafter(tiny_target, root / "draft", gen)
     info = TargetInfo.read(tiny_target)
     good = root / "good"
     write_sglang(model, info, good, AUX)
@@ -102,11 +109,21 @@ def exports(tiny_target, tmp_path_factory) -> dict:
     ids = torch.randint(0, info.vocab_size, (TOKENS,), generator=gen)
     positions = torch.arange(3, 3 + TOKENS)  # not from 0: RoPE must use the given positions
     hidden = torch.randn(TOKENS, 3 * info.hidden_size, generator=gen)
+    # Captured states of different scales (as a target's layers are): one norm over the concatenation
+    # would not give what one norm per state gives (EAGLE 3.1's fc_norm).
+    hidden = hidden * torch.tensor([1.0, 4.0, 0.25]).repeat_interleave(info.hidden_size)
     save_file({"input_ids": ids, "positions": positions, "hidden": hidden}, str(root / "inputs.safetensors"))
+    model31 = _random_drafter(tiny_target, root / "draft31", torch.Generator().manual_seed(2), "eagle3.1")
+    write_sglang(model31, info, root / "eagle31", AUX)
+    assert check_sglang_export(root / "eagle31", model31, info, AUX) == []
+    dirs["eagle31"] = root / "eagle31"
+    ref = {}
     with torch.no_grad():
-        logits, pre_norm = model(info.embedding()[ids][None], hidden[None], positions[None])
-    return {"root": root, "dirs": dirs, "model": model, "inputs": root / "inputs.safetensors",
-            "ref": {"logits": logits[0], "hidden": pre_norm[0]}}
+        for name, m in (("good", model), ("eagle31", model31)):
+            logits, next_hidden = m(info.embedding()[ids][None], hidden[None], positions[None])
+            ref[name] = {"logits": logits[0], "hidden": next_hidden[0]}  # 3.1: post-norm
+    return {"root": root, "dirs": dirs, "model": model, "inputs": root / "inputs.safetensors", "ref": ref["good"],
+            "ref31": ref["eagle31"]}
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +188,23 @@ def test_sglang_forward_equals_our_drafter(sglang, exports):
     assert logits <= TOL and hidden <= TOL, (f"SGLang vs Eagle3Drafter: max abs diff logits {logits:.3g}, "
                                              f"pre-norm hidden {hidden:.3g} (tolerance {TOL}, logit scale {scale:.3g})")
     assert torch.equal(got["logits"].argmax(-1), ref["logits"].argmax(-1))
+
+
+def test_sglang_loads_an_eagle31_export_and_its_forward_equals_ours(sglang, exports):
+    """SGLang 0.5.23 reads fc_norm / norm_output from our 3.1 config: its fc_norm parameters load from
+    `fc_norm.{i}.weight`, and its forward (per-state norms before fc) and the hidden it hands to the
+    next draft step (post-norm) equal Eagle3Drafter's."""
+    report, ref = sglang["eagle31"], exports["ref31"]
+    _loaded_cleanly(report)
+    assert report["unused_file_keys"] == []
+    assert {f"model.fc_norm.{i}.weight" for i in range(3)} <= set(report["parameters"])
+    got = report["out"]
+    logits, hidden = _max_diff(got["logits"], ref["logits"]), _max_diff(got["hidden"], ref["hidden"])
+    assert logits <= TOL and hidden <= TOL, f"SGLang vs Eagle3Drafter (3.1): logits {logits:.3g}, hidden {hidden:.3g}"
+    # post-norm: lm_head's input is the hidden handed on, so the logits are lm_head(hidden)
+    lm_head = load_file(str(exports["dirs"]["eagle31"] / "model.safetensors"))["lm_head.weight"]
+    assert _max_diff(got["hidden"] @ lm_head.T, got["logits"]) <= TOL
+    assert _max_diff(got["hidden"], exports["ref"]["hidden"]) > 1  # not eagle3's numbers by accident
 
 
 # ----------------------------------------------------------------------------- planted breaks
