@@ -296,19 +296,7 @@ def run_all(a) -> None:
     for name, cmd in jobs:
         if name == "ours-compile" and a.eager and "error" in results[-1]:  # flash failed: measure math
             name, cmd = "ours-math", me + common + ["--attention", "math"]
-        t0 = time.time()
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.job_timeout)
-            stdout, stderr = p.stdout, p.stderr
-        except subprocess.TimeoutExpired as err:  # reported in the JSON, and the next job runs
-            text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-            stdout, stderr = text(err.stdout), text(err.stderr) + f"\ntimed out after {a.job_timeout} s"
-        (out / f"{name}.log").write_text(stdout + "\n--- stderr ---\n" + stderr)
-        line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith("{")), None)
-        res = json.loads(line) if line else {"error": stderr[-2000:]}
-        res["job"], res["wall_s"] = name, round(time.time() - t0, 1)
-        results.append(res)
-        print(json.dumps(res), flush=True)
+        results.append(run_job(name, cmd, a, out))
     (out / "bench_train.json").write_text(json.dumps(results, indent=2))
     sf = next((r for r in results if r["job"] == "specforge" and "tokens_per_s" in r), None)
     print("\njob                 tokens/s   step ms   peak GiB   vs specforge")
