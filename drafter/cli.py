@@ -340,8 +340,15 @@ def smoke(config: Path = ConfigOpt,
     a failure is one line naming the step and the contract it broke."""
     from drafter.smoke import run_smoke
 
+    cfg = _load(config)
+    if cfg.target.demo is not None:  # as the lifecycle does: the demo target built once, then cached
+        from drafter.demo_target import ensure_demo_target
+
+        bar = _progress_bar("demo target")
+        ensure_demo_target(cfg.target.demo, cfg.target.path, progress=bar.update_to)
+        bar.close()
     echo = lambda line: typer.echo(line, err=True)  # noqa: E731
-    report = run_smoke(_load(config), on_step=echo, on_line=echo if verbose else None)
+    report = run_smoke(cfg, on_step=echo, on_line=echo if verbose else None)
     typer.echo(report.line())
 
 

@@ -147,8 +147,10 @@ def run_smoke(cfg: LifecycleConfig, *, on_step: Callable[[str], None] | None = N
         except SmokeFailed:
             raise
         except DrafterError as err:
-            line = " ".join(describe(err).split())  # one line, whatever the error's own layout
-            raise SmokeFailed(name, contract_of(line), line.removeprefix("error "), err) from err
+            # one line, whatever the error's own layout; its type after the reason
+            line = " ".join(describe(err).split()).removeprefix(f"error ({type(err).__name__}): ")
+            line = f"{line} ({type(err).__name__})"
+            raise SmokeFailed(name, contract_of(line), line, err) from err
         seconds = time.monotonic() - began
         report.steps.append({"step": name, "outcome": outcome, "seconds": round(seconds, 1)})
         say(f"smoke: {name}: {outcome} ({seconds:.1f}s)")

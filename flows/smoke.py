@@ -13,6 +13,7 @@ from flows.lifecycle import REAP, refuse
 from flows.parameters import Refused, config_or_refuse
 from tasks.common import failure_of
 from tasks.smoke import smoke_task
+from tasks.target import ensure_target_task
 
 
 def smoke_line(state: State) -> str:
@@ -29,7 +30,8 @@ def drafter_smoke(profile: str = "profiles/demo.yaml", config: Optional[Lifecycl
         cfg = config_or_refuse(profile, config)
     except Refused as refused:
         return refuse(refused)
-    state = smoke_task(cfg, return_state=True)
+    target = ensure_target_task(cfg, return_state=True)  # the demo builds its own, as the lifecycle does
+    state = smoke_task(cfg, return_state=True) if target.is_completed() else target
     if state.is_completed():
         return state.result()
     line = smoke_line(state)

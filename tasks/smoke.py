@@ -3,13 +3,14 @@ markdown artifact, its servers owned by this run (a cancelled run's hooks reap t
 from __future__ import annotations
 
 from prefect import task
+from prefect.tasks import exponential_backoff
 from prefect.artifacts import create_markdown_artifact
 
 from drafter.config import LifecycleConfig
 from drafter.errors import DrafterError, describe
 from drafter.serving.launcher import ServerLine
 from drafter.smoke import SmokeReport, run_smoke
-from tasks.common import log, this_run_owns_its_servers
+from tasks.common import log, retry_retryable, this_run_owns_its_servers
 
 ARTIFACT_KEY = "smoke"
 
@@ -22,7 +23,9 @@ def markdown(report: SmokeReport | None, error: BaseException | None = None) -> 
     return "\n".join(lines) + "\n"
 
 
-@task(name="smoke")
+# Retried as a stage is, when the error says a later attempt can succeed (a server start that crashed).
+@task(name="smoke", retries=2, retry_delay_seconds=exponential_backoff(10), retry_jitter_factor=0.5,
+      retry_condition_fn=retry_retryable)
 def smoke_task(cfg: LifecycleConfig) -> dict:
     """Run the smoke of `cfg`; its failure (SmokeFailed, one line) fails the task."""
     logger = log()

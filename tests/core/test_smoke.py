@@ -90,3 +90,37 @@ def test_a_capture_one_layer_off_is_named_by_the_layer_id_contract(smoke_target,
                     "[1, 2, 3]: the capture is off by +1")
     assert "Traceback" not in err and "smoke: train" not in err  # stopped before training on them
     no_servers_left(tmp_path / "logs")
+
+
+def test_a_wrapped_error_is_one_clean_line(smoke_target, tmp_path, monkeypatch, capsys):
+    """A target that is not there: datagen's server preflight refuses it; the line says why, then the
+    error's type, and names the step."""
+    import yaml
+
+    profile = smoke_profile(tmp_path, smoke_target, {**REFERENCE, "port": free_port()})
+    data = yaml.safe_load(profile.read_text())
+    data["target"]["path"] = str(tmp_path / "no-target")
+    profile.write_text(yaml.safe_dump(data))
+    code, err = drafter(monkeypatch, capsys, "smoke", "--config", str(profile))
+    (line,) = [line for line in err.splitlines() if line.startswith("error")]
+    assert line.startswith("error (SmokeFailed): smoke failed at datagen: preflight failed: ") and \
+        line.endswith(f"{tmp_path / 'no-target'} (ServerConfigError)"), line
+    assert code == 4 and "Traceback" not in err  # a retry cannot help
+
+
+def test_the_demo_target_is_built_before_the_smoke_runs(monkeypatch, capsys):
+    """On a profile with target.demo, `drafter smoke` makes sure of the demo target first, as the
+    lifecycle does (a fresh checkout has none)."""
+    import drafter.demo_target as demo_target
+    import drafter.smoke as smoke
+
+    calls = []
+    monkeypatch.setattr(demo_target, "ensure_demo_target", lambda spec, path, progress=None: calls.append(path))
+
+    def run_smoke(cfg, **_):
+        calls.append("smoke")
+        raise SmokeFailed("prepare", None, "stop here")
+
+    monkeypatch.setattr(smoke, "run_smoke", run_smoke)
+    code, err = drafter(monkeypatch, capsys, "smoke", "--config", "profiles/demo.yaml")
+    assert calls == [".cache/demo-target", "smoke"] and code == 4, err
