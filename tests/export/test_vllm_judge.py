@@ -1,6 +1,7 @@
 """The export stage's second judge: real vLLM (CPU build) serving our vLLM export on the held-out
 prompts the reference judge used, agreeing with it within export.judge_agreement_tolerance; a planted
-off-by-one layer id is caught by both judges. Two vLLM launches (~40 s each here)."""
+off-by-one layer id is caught by both judges; an EAGLE 3.1 export served with both of its parts. Three
+vLLM launches (~40 s each here)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from drafter.stages import export
 from drafter.store import FileStore
 from drafter.target import HFTarget
 from tests.fixtures.export_upstreams import RATE, commit_upstreams
-from tests.fixtures.layered import AUX, export_pair, layered_pair  # noqa: F401  (fixture)
+from tests.fixtures.layered import AUX, export_pair, layered_pair, layered_pair31  # noqa: F401  (fixtures)
 from tests.fixtures.net import free_port
 from tests.fixtures.vllm_env import vllm_py, vllm_serve_section  # noqa: F401  (fixture)
 from drafter.stages import TABLE
@@ -55,6 +56,32 @@ def test_export_stage_judges_with_vllm_and_both_judges_agree(layered_pair, tiny_
     assert TABLE.fingerprint("export", _cfg(target, "/other/python", tmp_path), upstream) == result.fingerprint
     assert TABLE.fingerprint("export", _cfg(target, vllm_py, tmp_path, judge_agreement_tolerance=0.2), upstream) \
         != result.fingerprint
+
+
+def test_an_eagle31_export_is_served_by_vllm_as_the_reference_judge_drafts_it(layered_pair31, tiny_conversations,
+                                                                             vllm_py, tmp_path):
+    """EAGLE 3.1 through the export stage: the speculators config carries fc_norm and norm_output (what
+    vLLM 0.32.0 reads, transformers_utils/configs/speculators/algos.py into llama_eagle3.py) and vLLM
+    drafts as the reference does. The crafted 3.1 drafter accepts two drafts per verify only with both
+    parts honored: one without the post-norm hidden fed on, ~0 without the per-state norms' weights."""
+    target, draft = layered_pair31
+    store = FileStore(tmp_path / "store")
+    upstream = commit_upstreams(store, tmp_path, target, draft, tiny_conversations[200:], aux=AUX)
+    result = TABLE.run("export", _cfg(target, vllm_py, tmp_path), store, upstream=upstream)
+    paths = export.write_local(store, result.fingerprint, tmp_path / "out")
+    sglang_config = json.loads((paths["sglang"] / "config.json").read_text())
+    vllm_config = json.loads((paths["vllm"] / "config.json").read_text())
+    assert (sglang_config["fc_norm"], sglang_config["norm_output"]) == (True, True)
+    assert {k: vllm_config[k] for k in ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")} == {
+        "fc_norm": True, "norm_output": True, "norm_before_fc": False, "norm_before_residual": False}
+    judge = result.meta["judge"]
+    ref, vllm = judge, judge["vllm"]
+    assert ref["accept_length"] == pytest.approx(3.0) and ref["per_position"] == [1.0, 1.0, 0.0]
+    assert vllm["accept_length"] > 1 and vllm["drafts"] > 0 and vllm["verdict"]["passed"]
+    assert vllm["accept_length"] == pytest.approx(ref["accept_length"], abs=0.1)
+    assert vllm["per_position"] == pytest.approx(ref["per_position"], abs=0.1)
+    assert judge["agreement"]["agree"] and vllm["prompts"] == ref["prompts"] == 4
+    assert any(s.startswith("vLLM judge (vllm 0.32.0): accept length 3.000") for s in result.summary)
 
 
 def test_a_planted_off_by_one_layer_id_is_caught_by_both_judges(layered_pair, tiny_conversations, vllm_py, tmp_path):
