@@ -31,6 +31,16 @@ quality.json holds both offline accept lengths per draft step and their ratio:
 
     python3 benchmarks/bench_drafter_quality.py --corpus .bench-data/sharegpt.jsonl.gz --work /tmp/q --out $OUT \
         --storage-dtypes model float8_e4m3
+
+EAGLE 3.1 against EAGLE-3 (train.drafter), one command: both kinds trained on the same dump with the
+same seed and budget, each export judged by the same judge on the same prompts; `vs_drafter` in
+quality.json holds eagle3.1 - eagle3 per draft step with its 95% paired interval over the prompts
+(the same pairing as `vs_specforge`), next to both kinds' held-out accuracy per position:
+
+    python3 benchmarks/bench_drafter_quality.py --corpus .bench-data/sharegpt.jsonl.gz --work /tmp/q --out $OUT \
+        --drafters eagle3 eagle3.1
+
+With `--variant`s each variant is trained once per kind (named VARIANT/KIND) and paired within itself.
 """
 from __future__ import annotations
 
@@ -46,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.` an
 
 from drafter.config import DemoTargetConfig, parse_config
 from drafter.demo_target import ensure_demo_target
+from drafter.draft_config import DRAFTERS
 from drafter.formats import download_trained_drafter
 from drafter.stages import TABLE
 from drafter.store import open_store
@@ -120,6 +131,26 @@ def parse_variants(items: list[str]) -> dict[str, dict]:
     return variants or {"ours": {}}
 
 
+def with_drafters(variants: dict[str, dict], kinds: list[str] | None) -> tuple[dict[str, dict], list[tuple[str, str]]]:
+    """Each variant once per drafter kind (train.drafter; named by the kind, VARIANT/KIND when there
+    are several variants), and the (challenger, reference) runs to pair: every later kind against the
+    first, within each variant. No kinds: the variants as given, nothing to pair."""
+    if not kinds:
+        return variants, []
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"--drafters {' '.join(kinds)}: each kind once")
+    clash = [name for name, overrides in variants.items() if "drafter" in overrides]
+    if clash:
+        raise ValueError(f"--variant {', '.join(clash)} sets drafter: --drafters chooses it")
+    named = (lambda name, kind: kind) if len(variants) == 1 else (lambda name, kind: f"{name}/{kind}")
+    out, pairs = {}, []
+    for name, overrides in variants.items():
+        for kind in kinds:
+            out[named(name, kind)] = {**overrides, "drafter": kind}
+        pairs += [(named(name, kind), named(name, kinds[0])) for kind in kinds[1:]]
+    return out, pairs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write-corpus", type=Path, metavar="FILE.jsonl.gz",
@@ -140,6 +171,9 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help="one of our training runs: train-section overrides as JSON (repeatable; default: "
                          "one run named 'ours' at the project's defaults)")
+    ap.add_argument("--drafters", nargs="+", choices=list(DRAFTERS), metavar="KIND",
+                    help=f"train.drafter of each run ({', '.join(DRAFTERS)}): every variant trained once per kind "
+                         "on the same dump, seed and budget; each later kind paired with the first (vs_drafter)")
     ap.add_argument("--specforge", action="store_true",
                     help="also train with SpecForge 0.2.0's own trainer (PYTHONPATH with specforge) on the same "
                          "dump, vocab map, teacher and epochs; both judged by our judge, paired intervals")
@@ -180,7 +214,11 @@ def main() -> None:
         ap.error("--corpus, --work and --out are required (or --write-corpus FILE)")
     args.bench_steps = [int(s) for s in args.bench_steps.split(",")]
     args.judge_steps = [int(s) for s in args.steps.split(",")]
-    args.variants = {} if args.only_specforge else parse_variants(args.variant)
+    try:
+        args.variants, args.drafter_pairs = ({}, []) if args.only_specforge else with_drafters(
+            parse_variants(args.variant), args.drafters)
+    except ValueError as e:
+        ap.error(str(e))
     args.specforge = args.specforge or args.only_specforge
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [args.conversations]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -252,6 +290,11 @@ def run_chain(args, cfg, store, results: dict, emit) -> None:
             trainers[name] = {**row, **judge_trainer(vcfg, store, fps, drafter_dir, args.judge_steps)}
             print(name, {k: trainers[name][k] for k in ("seconds", "steps", "held_out")}, flush=True)
             emit()
+        if args.drafter_pairs:
+            results["vs_drafter"] = {f"{a} - {b}": paired(trainers[a], trainers[b], args.judge_steps, labels=(a, b))
+                                     for a, b in args.drafter_pairs}
+            print("vs drafter", results["vs_drafter"], flush=True)
+            emit()
         if args.specforge:
             from benchmarks.specforge_trainer import train_specforge
 
@@ -300,18 +343,20 @@ def judge_trainer(cfg, store, fps: dict, drafter_dir: Path, steps: list[int]) ->
             "judged": judged}
 
 
-def paired(ours: dict, theirs: dict, steps: list[int], keys=lambda s: s) -> dict:
-    """Ours - SpecForge's offline accept length per draft step count, paired over the same prompts
-    (percentile bootstrap, 95%), and the held-out accuracy per position of both."""
+def paired(ours: dict, theirs: dict, steps: list[int], keys=lambda s: s, labels=("ours", "specforge")) -> dict:
+    """`ours` - `theirs` offline accept length per draft step count (ours - SpecForge's; eagle3.1 -
+    eagle3), paired over the same prompts (percentile bootstrap, 95%), and the held-out accuracy per
+    position of both, each under its label."""
     from drafter.retrain.verdict import compare as paired_compare
 
-    out = {"held_out_acc": {"ours": ours["held_out"]["acc"], "specforge": theirs["held_out"]["acc"]},
-           "train_seconds": {"ours": ours["seconds"], "specforge": theirs["seconds"]}}
+    a, b = labels
+    out = {"held_out_acc": {a: ours["held_out"]["acc"], b: theirs["held_out"]["acc"]},
+           "train_seconds": {a: ours["seconds"], b: theirs["seconds"]}}
     for s in steps:
         c = paired_compare(theirs["judged"][keys(s)], ours["judged"][keys(s)], min_improvement=0.0, confidence=0.95,
                            samples=10000, seed=0)
-        out[f"{s}/1/{s + 1}"] = {"ours": round(c["challenger_accept_length"], 4),
-                                 "specforge": round(c["champion_accept_length"], 4),
+        out[f"{s}/1/{s + 1}"] = {a: round(c["challenger_accept_length"], 4),
+                                 b: round(c["champion_accept_length"], 4),
                                  "difference": round(c["difference"], 4),
                                  "interval": [round(v, 4) for v in c["interval"]], "prompts": c["prompts"]}
     return out
