@@ -41,6 +41,8 @@ quality.json holds eagle3.1 - eagle3 per draft step with its 95% paired interval
         --drafters eagle3 eagle3.1
 
 With `--variant`s each variant is trained once per kind (named VARIANT/KIND) and paired within itself.
+The kinds can also run in separate calls on one saved target (`--drafters eagle3` in one,
+`--drafters eagle3.1` in the next, same `--target-dir`); `--merge` pairs them (`vs_drafter`).
 """
 from __future__ import annotations
 
@@ -375,7 +377,24 @@ def merge(runs: list[dict]) -> dict:
         steps = [int(s) for s in t["specforge"]["judged"]]
         out["vs_specforge"] = {name: paired(v, t["specforge"], steps, keys=str) for name, v in t.items()
                                if name != "specforge"}
+    pairs = drafter_pairs(t)
+    if pairs:  # kinds trained in separate processes (--drafters KIND in each): paired as in one run
+        out["vs_drafter"] = {f"{a} - {b}": paired(t[a], t[b], [int(s) for s in t[b]["judged"]], keys=str,
+                                                  labels=(a, b)) for a, b in pairs}
     return out
+
+
+def drafter_pairs(trainers: dict) -> list[tuple[str, str]]:
+    """(challenger, reference) names among merged runs: each run of another drafter kind against the
+    eagle3 run of the same variant (names KIND or VARIANT/KIND, as --drafters gives them)."""
+    first = next(iter(DRAFTERS))
+    pairs = []
+    for name in trainers:
+        prefix, _, kind = name.rpartition("/")
+        ref = f"{prefix}/{first}" if prefix else first
+        if kind in DRAFTERS and kind != first and ref in trainers:
+            pairs.append((name, ref))
+    return pairs
 
 
 def compare(runs: dict, storages: list[str]) -> dict:

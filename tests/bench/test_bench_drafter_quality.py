@@ -70,3 +70,14 @@ def test_small_chain_trains_both_kinds_on_one_dump_and_pairs_them(tmp_path, monk
         assert row["eagle3"] == pytest.approx(judged["eagle3"]["accept_length"], abs=1e-4)
         assert row["difference"] == pytest.approx(row["eagle3.1"] - row["eagle3"], abs=2e-4)
         assert row["interval"][0] <= row["difference"] <= row["interval"][1]
+
+
+def test_merge_pairs_kinds_trained_in_separate_runs():
+    judged = lambda rows: {"judged": {"1": {"per_prompt": rows}}, "held_out": {"acc": [0.5]}, "seconds": 1.0}
+    a = {"trainers": {"eagle3": judged([[10, 5], [10, 5], [10, 4]])}}
+    b = {"trainers": {"eagle3.1": judged([[10, 8], [10, 6], [10, 7]])}}
+    merged = q.merge([a, b])
+    row = merged["vs_drafter"]["eagle3.1 - eagle3"]["1/1/2"]
+    assert row["difference"] == pytest.approx(0.2333, abs=1e-4) and row["prompts"] == 3
+    assert q.drafter_pairs({"x/eagle3": {}, "x/eagle3.1": {}, "y/eagle3.1": {}}) == [("x/eagle3.1", "x/eagle3")]
+    assert "vs_drafter" not in q.merge([a])
