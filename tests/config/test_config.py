@@ -37,6 +37,14 @@ def test_shipped_profiles_are_valid(profile):
     assert len(set(cfg.aux_layer_ids())) == 3
 
 
+def test_the_vllm_demo_profile_differs_from_the_demo_only_in_serving_and_bench():
+    """`make demo-vllm` reuses `make demo`'s outputs up to the export: every section that feeds those
+    stages' fingerprints must be the demo's (a train setting changed in one file only re-trains)."""
+    demo, vllm = load_config(ROOT / "profiles" / "demo.yaml"), load_config(ROOT / "profiles" / "demo-vllm.yaml")
+    differs = [name for name in type(demo).model_fields if getattr(demo, name) != getattr(vllm, name)]
+    assert differs == ["serve", "bench"]
+
+
 def test_kimi_profile_carries_the_field_notes_deployment():
     cfg = load_config(ROOT / "profiles" / "kimi-k2.5-8xpcie.yaml")
     assert cfg.serve.tp_size == 8 and cfg.serve.disable_custom_all_reduce
