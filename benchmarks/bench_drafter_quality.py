@@ -325,6 +325,7 @@ def judge_trainer(cfg, store, fps: dict, drafter_dir: Path, steps: list[int]) ->
     from drafter.export.judge import held_out_judging, judge_export
     from drafter.export.sglang import TargetInfo, check_sglang_export, require_good, write_sglang
     from drafter.model import load_drafter
+    from drafter.stages.export import add_training_lengths, context_lines, training_lengths
     from drafter.training.trainer import evaluate_drafter
 
     held_out = evaluate_drafter(cfg, store, drafter_dir, fps["dump"], device=cfg.export.device)
@@ -335,12 +336,16 @@ def judge_trainer(cfg, store, fps: dict, drafter_dir: Path, steps: list[int]) ->
     require_good(check_sglang_export(sglang_dir, source, info, cfg.aux_layer_ids(), cfg.export.sglang_version),
                  "SGLang export (read back)")
     target, prompts, _skipped, _n = held_out_judging(cfg, store, fps["prepare"])
+    trained = training_lengths(store, fps["dump"], cfg.train.max_length)
     judged = {}
     for s in steps:
         ec = cfg.export
         report = judge_export(sglang_dir, target, prompts, num_steps=s, max_new_tokens=ec.judge_max_new_tokens,
                               bucket_edges=ec.judge_bucket_edges, prediction=held_out)
-        judged[s] = {k: report[k] for k in ("accept_length", "per_position", "predicted", "per_prompt", "verifies")}
+        add_training_lengths(report, trained)  # the context curve, the training samples beside each bucket
+        judged[s] = {k: report[k] for k in ("accept_length", "per_position", "predicted", "per_prompt", "verifies",
+                                            "by_context", "context_length", "training_lengths")}
+        print(f"judged at {s} draft steps:", *context_lines(report), sep="\n  ")
     return {"held_out": {k: held_out[k] for k in ("acc", "accept_rate", "cond_acc", "accept_length", "tokens")},
             "judged": judged}
 

@@ -70,6 +70,11 @@ def test_small_chain_trains_both_kinds_on_one_dump_and_pairs_them(tmp_path, monk
         assert row["eagle3"] == pytest.approx(judged["eagle3"]["accept_length"], abs=1e-4)
         assert row["difference"] == pytest.approx(row["eagle3.1"] - row["eagle3"], abs=2e-4)
         assert row["interval"][0] <= row["difference"] <= row["interval"][1]
+        for kind in ("eagle3", "eagle3.1"):  # the context curve: every verify in one bucket, lengths beside it
+            curve = judged[kind]["by_context"]
+            assert sum(b["blocks"] for b in curve) == judged[kind]["verifies"]
+            assert judged[kind]["training_lengths"]["recorded_samples"] > 0
+            assert curve[0]["trained_samples_reaching"] == judged[kind]["training_lengths"]["recorded_samples"]
 
 
 def test_merge_pairs_kinds_trained_in_separate_runs():
