@@ -56,17 +56,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.` and `drafter.` from a checkout
 
+from benchmarks.corpus import read_conversations
 from drafter.config import DemoTargetConfig, parse_config
 from drafter.demo_target import ensure_demo_target
 from drafter.draft_config import DRAFTERS
 from drafter.formats import download_trained_drafter
 from drafter.stages import TABLE
 from drafter.store import open_store
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def write_corpus(path: Path) -> int:
@@ -210,7 +206,7 @@ def main() -> None:
     if args.target_only:
         if not (args.corpus and args.target_dir):
             ap.error("--target-only needs --corpus and --target-dir")
-        print("target:", build_target(args, read_jsonl(args.corpus), args.target_dir))
+        print("target:", build_target(args, list(read_conversations(args.corpus)), args.target_dir))
         return
     if not (args.corpus and args.work and args.out):
         ap.error("--corpus, --work and --out are required (or --write-corpus FILE)")
@@ -229,7 +225,7 @@ def main() -> None:
     emit = lambda: (args.out / "quality.json").write_text(json.dumps(results, indent=2, default=str))
 
     t0 = time.monotonic()
-    conversations = read_jsonl(args.corpus)
+    conversations = list(read_conversations(args.corpus))
     target_dir = args.target_dir or args.work / "target"
     results["target"] = build_target(args, conversations, target_dir)
     print("target:", results["target"], flush=True)

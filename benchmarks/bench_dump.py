@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.corpus import read_conversations
 from drafter.capture import backends, base, hf
 from drafter.config import DemoTargetConfig, DumpConfig, TargetConfig, parse_config
 from drafter.demo_target import build_demo_target, build_tokenizer
@@ -255,16 +256,7 @@ def load_conversations(path: Path | None, n: int) -> list[dict]:
         from drafter.contracts.sharegpt import load_sharegpt
 
         return load_sharegpt(max(n, 1000) + 10)
-    if path.name.endswith(".gz"):  # `bench_drafter_quality.py --write-corpus` writes .jsonl.gz
-        import gzip
-
-        text = gzip.decompress(path.read_bytes()).decode("utf-8")
-        path = path.with_suffix("")
-    else:
-        text = path.read_text()
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    return json.loads(text)
+    return list(read_conversations(path))
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import real_batches as rb  # noqa: E402
+from benchmarks.corpus import read_conversations  # noqa: E402
 from drafter.config import TrainConfig  # noqa: E402
 from drafter.errors import DrafterError  # noqa: E402
 from drafter.model import Eagle3DraftConfig, Eagle3Drafter, set_draft_vocab  # noqa: E402
@@ -336,7 +337,7 @@ def real_dump(a, storage: str) -> tuple[str, str, dict]:
     root.mkdir(parents=True, exist_ok=True)
     # ShareGPT at 1024 tokens: ~1.4k tokens per micro-batch (a sample over the budget is one of its own)
     need = int(1.6 * (a.warmup + a.steps) * a.micro_batches * a.tokens_per_micro_batch)
-    masks = rb.sharegpt_masks(rb.read_conversations(Path(a.sharegpt_lengths)), a.max_length, a.chars_per_token,
+    masks = rb.sharegpt_masks(read_conversations(Path(a.sharegpt_lengths)), a.max_length, a.chars_per_token,
                               max_tokens=need)
     t = time.perf_counter()
     fp, facts = rb.write_synthetic_dump(rb.FileStore(root), masks, a.hidden, STORAGE[storage], a.vocab, seed=a.seed)

@@ -14,12 +14,9 @@
 """
 from __future__ import annotations
 
-import gzip
 import hashlib
-import itertools
 import json
 import os
-from pathlib import Path
 
 import torch
 
@@ -33,22 +30,6 @@ from drafter.training.ttt import MicroBatch
 
 AUX = [1, 15, 28]  # Llama-3.1-8B's EAGLE-3 layers (any three ids would do for synthetic states)
 HEADER_TOKENS, EOT_TOKENS, BOS_TOKENS = 4, 1, 1
-
-
-def read_conversations(path: Path):
-    """ShareGPT conversations, {"messages": [{"role", "content"}, ...]}, one by one from a JSONL file
-    (optionally .gz; read only as far as the caller iterates) or a JSON list."""
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        first = f.read(1)
-        while first.isspace():
-            first = f.read(1)
-        if first == "[":
-            yield from json.loads(first + f.read())
-            return
-        for line in itertools.chain([first + f.readline()], f):
-            if line.strip():
-                yield json.loads(line)
 
 
 def sharegpt_masks(conversations, max_length: int, chars_per_token: float = 4.0,
