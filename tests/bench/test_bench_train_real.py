@@ -111,3 +111,14 @@ def test_a_missing_store_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
         bt.main()
     assert str(e.value) == f"bench_train: no store at file://{tmp_path / 'none'}: the directory does not exist"
+
+
+def test_the_time_budget_bounds_the_timed_window_not_the_warm_up(corpus, tmp_path):
+    # a budget shorter than any step: the warm-up (where compilation happens) still runs in full,
+    # then one timed step, then the budget stops the job
+    a = bt.parse_args(TINY + ["--sharegpt-lengths", str(corpus), "--store-dir", str(tmp_path / "store"),
+                              "--warmup", "2", "--max-seconds", "1e-9"])
+    a.shards, a.dump, _ = bt.real_dump(a, "bfloat16")
+    out = bt.run_real(a)
+    assert out["steps_warmup"] == 2 and len(out["warmup_step_s"]) == 2
+    assert out["steps_timed"] == 1 and out["stopped_by"] == "time budget (1e-09 s)"
