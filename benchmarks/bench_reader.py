@@ -92,21 +92,42 @@ def read(store: ObjectStore, fp: str, hidden: int, args, tokens_per_s: float) ->
     reader = DumpReader(store, dump_splits(store, fp)[0], expect, seed=0, cache_shards=args.cache_shards,
                         prefetch_shards=args.prefetch_shards, cache_dir=args.cache_dir)
     tokens = batches = 0
+    waited = 0.0  # the consumer's own wait for its next micro-batch (first one excluded: start-up)
     t = time.perf_counter()
     try:
         packer = Packer(args.micro_batch, args.micro_batch, prefetch=args.prefetch_batches)
-        for _c, mb, _n in packer.batches(reader.samples(Cursor(), 1), Cursor(1, 0, 0)):
+        stream = iter(packer.batches(reader.samples(Cursor(), 1), Cursor(1, 0, 0)))
+        while True:
+            t0 = time.perf_counter()
+            item = next(stream, None)
+            if item is None:
+                break
+            waited += (time.perf_counter() - t0) if batches else 0.0
+            mb = item[1]
             if tokens_per_s:
-                time.sleep(mb.num_tokens / tokens_per_s)  # the training step
+                step(mb.num_tokens / tokens_per_s, args.consumer)
             tokens += mb.num_tokens
             batches += 1
     finally:
         reader.close()
     wall = time.perf_counter() - t
     stats = reader.stats()
-    return {"consumer_tokens_per_s": tokens_per_s, "micro_batches": batches, "tokens": tokens,
-            "wall_s": round(wall, 2), "delivered_tokens_per_s": round(tokens / wall, 1),
-            "delivered_gb_per_s": round(stats["fetched_bytes"] / wall / 1e9, 3), **stats}
+    return {"consumer_tokens_per_s": tokens_per_s, "consumer": args.consumer, "micro_batches": batches,
+            "tokens": tokens, "wall_s": round(wall, 2), "delivered_tokens_per_s": round(tokens / wall, 1),
+            "delivered_gb_per_s": round(stats["fetched_bytes"] / wall / 1e9, 3),
+            "consumer_wait_share": round(waited / wall, 4), **stats}
+
+
+def step(seconds: float, consumer: str) -> None:
+    """The training step's time: `sleep` gives the packer's thread the interpreter (a step waiting on
+    the GPU); `busy` keeps it (an eager step launching kernels from Python), giving it up only at
+    the interpreter's switch interval."""
+    if consumer == "sleep":
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def start_moto() -> tuple[str, subprocess.Popen]:
@@ -139,6 +160,8 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=None, help="the reader's local cache (s3)")
     ap.add_argument("--s3-endpoint", default=None, help="an S3 server to use instead of starting moto")
     ap.add_argument("--tokens-per-s", type=float, default=35600.0, help="the consumer's training speed")
+    ap.add_argument("--consumer", choices=["sleep", "busy"], default="sleep",
+                    help="the step stand-in: sleep (waits on the GPU) or busy (holds the interpreter)")
     ap.add_argument("--micro-batch", type=int, default=2048)
     ap.add_argument("--cache-shards", type=int, default=3)
     ap.add_argument("--prefetch-shards", type=int, default=2)

@@ -413,6 +413,7 @@ def specforge_stepper(a, device: torch.device):
 
     def step(group) -> None:
         for _c, mb, _n in group:
+            mb = mb.decoded(device)  # as the trainer: fp8 states decoded on the GPU
             ids = mb.input_ids[None].to(device)
             plosses, _, _acc, *_ = model(
                 input_ids=padding(ids, left=False), attention_mask=torch.ones_like(ids), target=None,
@@ -448,7 +449,8 @@ def run_real(a) -> dict:
         if step is None:
             return {**head, "skipped": captures}
     reader = rb.open_reader(store, fp, a.max_length, a.seed, a.cache_shards, a.prefetch_shards)
-    stream = rb.batches(reader, a.tokens_per_micro_batch, a.max_length, epochs=1000)
+    stream = rb.batches(reader, a.tokens_per_micro_batch, a.max_length, epochs=1000,
+                        decode=device.type == "cpu")  # where the trainer decodes fp8
     digests = rb.BatchDigests()
     rows, stopped, t_job, window, epochs = [], "steps", time.perf_counter(), None, 0
     try:

@@ -132,9 +132,10 @@ def open_reader(store: ObjectStore, fingerprint: str, max_length: int, seed: int
                       prefetch_shards=prefetch_shards)
 
 
-def batches(reader: DumpReader, tokens_per_micro_batch: int, max_length: int, epochs: int):
-    """The trainer's stream: (cursor, micro-batch, next cursor), packed ahead on the packer's thread."""
-    packer = Packer(tokens_per_micro_batch, max_length)
+def batches(reader: DumpReader, tokens_per_micro_batch: int, max_length: int, epochs: int, decode: bool = True):
+    """The trainer's stream: (cursor, micro-batch, next cursor), packed ahead on the packer's thread
+    (fp8 states decoded there, or with `decode=False` left for `MicroBatch.decoded`)."""
+    packer = Packer(tokens_per_micro_batch, max_length, decode=decode)
     return packer.batches(reader.samples(Cursor(), epochs), Cursor(epochs, 0, 0))
 
 

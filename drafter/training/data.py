@@ -6,7 +6,9 @@ cache (deleted once read), from a local store (file://) in place, read once to h
 memory-mapped, never copied. The corpus never has to fit on local disk or in memory.
 
 Packing runs ahead of the trainer on a background thread (`Packer.prefetch` micro-batches): fp8
-shards are decoded there, to the dump's capture dtype. The time the trainer spends waiting for its
+shards are decoded there, to the dump's capture dtype, when training on the CPU; a CUDA trainer
+decodes them on the GPU instead (`Packer.decode=False`, `MicroBatch.decoded`: on the CPU the decode
+delivered 12-17k tokens/s at hidden 4096, slower than an 8B-shape step consumes). The time the trainer spends waiting for its
 next micro-batch is the reader's data wait (`DumpReader.stats()`, logged when the reader closes). The order is a pure function of (seed, epoch): shards permuted per epoch, samples
 permuted per shard. A `Cursor` (epoch, shard position, sample position) names the next sample to
 read, so a resumed run continues with exactly the batches an uninterrupted one would have seen.
@@ -339,28 +341,38 @@ def _cut(sample: dict, limit: int) -> dict:
     return {k: v[:n] if isinstance(v, torch.Tensor) else v for k, v in sample.items()}
 
 
-def pack(samples: list[dict]) -> MicroBatch:
-    """Concatenate samples (already cut to fit) into one micro-batch (copies out of the mmap;
-    fp8 states are decoded to their capture dtype on the way)."""
+def pack(samples: list[dict], decode: bool = True) -> MicroBatch:
+    """Concatenate samples (already cut to fit) into one micro-batch (copies out of the mmap).
+    fp8 states are decoded to their capture dtype on the way, or with `decode=False` kept encoded
+    for `MicroBatch.decoded` on the training device."""
     cat = lambda key: torch.cat([s[key] for s in samples])
     states = {"aux_hidden_states": cat("aux_hidden_states"), "hidden_states": cat("hidden_states")}
-    if "aux_scales" in samples[0]:
+    fp8_states = "aux_scales" in samples[0]
+    if fp8_states:
         states.update(aux_scales=cat("aux_scales"), hidden_scales=cat("hidden_scales"))
-        decode_states(states, samples[0]["decode_dtype"])
+        if decode:
+            decode_states(states, samples[0]["decode_dtype"])
+    encoded = fp8_states and not decode
     return MicroBatch(input_ids=cat("input_ids").to(torch.int64), loss_mask=cat("loss_mask").bool(),
                       aux=states["aux_hidden_states"], final=states["hidden_states"],
                       doc_lens=[int(s["input_ids"].shape[0]) for s in samples],
-                      sample_ids=[s["id"] for s in samples])
+                      sample_ids=[s["id"] for s in samples],
+                      aux_scales=states["aux_scales"] if encoded else None,
+                      final_scales=states["hidden_scales"] if encoded else None,
+                      decode_dtype=samples[0]["decode_dtype"] if encoded else None)
 
 
 @dataclass
 class Packer:
     """Greedy packing of a sample stream into micro-batches of at most `budget` tokens, `prefetch`
-    micro-batches ahead of the consumer on a background thread (0: packed on the caller's)."""
+    micro-batches ahead of the consumer on a background thread (0: packed on the caller's). With
+    `decode=False` fp8 states stay encoded: the consumer decodes them on its device
+    (`MicroBatch.decoded`), where the CPU thread's decode would be the slowest part of the path."""
 
     budget: int
     max_length: int
     prefetch: int = 4
+    decode: bool = True
 
     def batches(self, stream: Iterator[tuple[Cursor, dict]], end: Cursor
                 ) -> Iterator[tuple[Cursor, MicroBatch, Cursor]]:
@@ -390,14 +402,14 @@ class Packer:
             if n < 2:
                 continue
             if buf and used + n > self.budget:
-                yield first, pack(buf), cur
+                yield first, pack(buf, self.decode), cur
                 buf, used = [], 0
             if not buf:
                 first = cur
             buf.append(s)
             used += n
         if buf:
-            yield first, pack(buf), end
+            yield first, pack(buf, self.decode), end
 
 
 def count_vocab(reader: DumpReader, vocab_size: int) -> torch.Tensor:

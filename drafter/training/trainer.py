@@ -257,7 +257,7 @@ def _train(r: _Run) -> TrainResult:
     p = _set_up(r)
     sched = _schedule(tc, r.train_reader)
     st = _resume(r, p)
-    packer = Packer(tc.tokens_per_micro_batch, tc.max_length)
+    packer = Packer(tc.tokens_per_micro_batch, tc.max_length, decode=r.d.device.type == "cpu")
     batches = packer.batches(r.train_reader.samples(st.cursor, tc.epochs), Cursor(tc.epochs, 0, 0))
     st.t_log = time.perf_counter()
     # closing: the packer's thread is stopped and joined however the loop ends (an exception's
@@ -362,6 +362,7 @@ def _optimizer_step(r: _Run, p: _Parts, sched: _Schedule, st: _State, group: lis
     mine = group[d.rank::d.world]
     stats = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64, device=d.device)
     for i, (_c, mb, _n) in enumerate(mine):
+        mb = mb.decoded(d.device)  # fp8 states left encoded by the packer: decoded on the GPU
         if p.graphed is not None:  # one replay adds this micro-batch's gradients
             sb = plan_static(mb, tc.ttt_length, tc.ttt_decay, norm, tc.tokens_per_micro_batch, embed=p.embed,
                              buckets=p.graphed.buckets)
@@ -432,7 +433,7 @@ def _evaluate(module, reader: DumpReader, embed, head, d, tc, dtype) -> dict:
     """Held-out metrics over the eval split (in manifest order, split across ranks)."""
     stats = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64, device=d.device)
     walk = torch.zeros(tc.ttt_length, tc.ttt_length + 1, dtype=torch.float64, device=d.device)
-    packer = Packer(tc.tokens_per_micro_batch, tc.max_length)
+    packer = Packer(tc.tokens_per_micro_batch, tc.max_length, decode=d.device.type == "cpu")
     seen = 0
     drafter = module.module.drafter if hasattr(module, "module") else module.drafter
     with closing(packer.batches(reader.samples(Cursor(), 1), Cursor(1, 0, 0))) as batches:
@@ -442,7 +443,7 @@ def _evaluate(module, reader: DumpReader, embed, head, d, tc, dtype) -> dict:
             seen += mb.num_tokens
             if i % d.world != d.rank:
                 continue
-            si = prepare(mb, embed, head, tc.ttt_length, d.device, dtype)
+            si = prepare(mb.decoded(d.device), embed, head, tc.ttt_length, d.device, dtype)
             if tc.parallel == "fsdp" and d.active:  # FSDP2 gathers the shards in forward
                 _loss, st, correct = module(si, tc.ttt_decay, 1.0, return_correct=True)
             else:

@@ -20,11 +20,13 @@ model's own forward and `ttt_attention_mask`) that the fast path is tested again
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from drafter.contracts import fp8
 from drafter.model import DraftKVCache, Eagle3Drafter, apply_rope, ttt_attention_mask
 from drafter.training.attention import DocLayout, ttt_attention
 from drafter.training.teacher import TargetHead, Teacher, linear_soft_cross_entropy, reference_teacher
@@ -38,7 +40,8 @@ STATS = ("loss_sum", "loss_positions", "mask_positions", "correct", "chain_corre
 
 @dataclass
 class MicroBatch:
-    """Packed samples (CPU tensors): documents concatenated, no padding."""
+    """Packed samples (CPU tensors): documents concatenated, no padding. fp8 states may stay
+    encoded (`aux_scales` set) until `decoded` puts them on the training device."""
 
     input_ids: torch.Tensor   # int64 [T]
     loss_mask: torch.Tensor   # bool [T]
@@ -46,10 +49,24 @@ class MicroBatch:
     final: torch.Tensor       # [T, H_target]
     doc_lens: list[int]
     sample_ids: list[str]
+    aux_scales: torch.Tensor | None = None    # float32 [T, 3] when aux is still fp8
+    final_scales: torch.Tensor | None = None  # float32 [T]
+    decode_dtype: torch.dtype | None = None   # what the fp8 states decode to (the capture dtype)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def decoded(self, device: torch.device) -> MicroBatch:
+        """The states decoded on `device` (half the bytes of bf16 cross to it, and no CPU thread
+        decodes); itself when they are decoded already. The same values as decoding on the CPU:
+        fp8 -> float32 is exact and the scale's product rounds the same way on any IEEE device."""
+        if self.aux_scales is None:
+            return self
+        return dataclasses.replace(
+            self, aux=fp8.decode(self.aux.to(device), self.aux_scales.to(device), self.decode_dtype),
+            final=fp8.decode(self.final.to(device), self.final_scales.to(device), self.decode_dtype),
+            aux_scales=None, final_scales=None, decode_dtype=None)
 
 
 @dataclass

@@ -89,6 +89,23 @@ def test_fp8_dump_manifest_and_readers(any_store, tiny_target, convs, tmp_path):
         rel = float((b.aux.float() - a.aux.float()).norm() / a.aux.float().norm())
         assert rel < 0.04
 
+    # A CUDA trainer's packer leaves fp8 encoded (half the bytes to the GPU) and decodes it there:
+    # the very values the packer's own decode gives (here both on the CPU)
+    reader = DumpReader(any_store, dump_splits(any_store, q8)[0], expect, shuffle=False)
+    try:
+        encoded = [mb for _c, mb, _n in Packer(400, 160, decode=False).batches(reader.samples(Cursor(), 1),
+                                                                                Cursor(1, 0, 0))]
+    finally:
+        reader.close()
+    assert len(encoded) == len(batches["float8_e4m3"])
+    for e, b in zip(encoded, batches["float8_e4m3"]):
+        assert e.aux.dtype == torch.float8_e4m3fn and e.aux_scales.shape == e.aux.shape[:2]
+        assert e.decode_dtype == torch.bfloat16 and e.sample_ids == b.sample_ids
+        d = e.decoded(torch.device("cpu"))
+        assert d.aux_scales is None and torch.equal(d.aux, b.aux) and torch.equal(d.final, b.final)
+        assert torch.equal(d.input_ids, b.input_ids) and torch.equal(d.loss_mask, b.loss_mask)
+    assert batches["model"][0].decoded(torch.device("cpu")) is batches["model"][0]  # bf16: nothing to decode
+
 
 
 def test_training_reader_streams_verifies_and_reports_data_wait(any_store, tmp_path, monkeypatch):
