@@ -220,7 +220,8 @@ def write_shard_file(path: str | Path, samples, metadata: Mapping[str, object] |
     writer = ShardWriter(spool_dir, metadata)
     try:
         for s in samples:
-            writer.add(s["id"], s["input_ids"], s["loss_mask"], s["aux_hidden_states"], s["hidden_states"])
+            writer.add(s["id"], s["input_ids"], s["loss_mask"], s["aux_hidden_states"], s["hidden_states"],
+                       **{k: s[k] for k in SCALES if k in s})  # fp8 samples carry their scales
     except BaseException:
         writer.discard()
         raise

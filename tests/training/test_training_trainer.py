@@ -203,3 +203,32 @@ def test_cuda_graphs_without_a_cuda_device_is_refused_clearly(env):
     with pytest.raises(TrainingError, match="train.cuda_graphs needs one CUDA device"):
         train_drafter(make_cfg(target, "file:///x", cuda_graphs=True), store, "dump0001", run_fingerprint="r7",
                       out_dir=tmp / "o", target_fingerprint=TARGET_FP)
+
+
+def test_fp8_states_decoded_on_the_training_device_train_the_same_drafter(tmp_path, monkeypatch):
+    """A CUDA trainer's packer leaves fp8 states encoded and each micro-batch is decoded on the
+    device (MicroBatch.decoded); here that path is forced on the CPU: the same drafter, bit for bit,
+    as the packer's own decode (the CPU trainer's path)."""
+    from drafter.training import trainer
+    from drafter.training.data import Packer
+    from drafter.training.ttt import MicroBatch
+
+    target = make_target(tmp_path / "target")
+    store = FileStore(tmp_path / "store")
+    make_dump(store, tmp_path, fp8_states=True)
+    cfg = make_cfg(target, "file:///x", epochs=1)
+    ref = train_drafter(cfg, store, "dump0001", run_fingerprint="packer", out_dir=tmp_path / "a",
+                        target_fingerprint=TARGET_FP)
+    decoded = []
+    real_decoded = MicroBatch.decoded
+    monkeypatch.setattr(MicroBatch, "decoded", lambda mb, device: decoded.append(mb.aux_scales is not None)
+                        or real_decoded(mb, device))
+    monkeypatch.setattr(trainer, "Packer", lambda budget, max_length, decode=True: Packer(budget, max_length,
+                                                                                          decode=False))
+    dev = train_drafter(cfg, store, "dump0001", run_fingerprint="device", out_dir=tmp_path / "b",
+                        target_fingerprint=TARGET_FP)
+    assert decoded and all(decoded)  # every micro-batch reached the step encoded
+    a = load_file(str(ref.drafter_dir / "model.safetensors"))
+    b = load_file(str(dev.drafter_dir / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert ref.metrics_path.read_text() == dev.metrics_path.read_text()
