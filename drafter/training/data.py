@@ -8,8 +8,11 @@ memory-mapped, never copied. The corpus never has to fit on local disk or in mem
 Packing runs ahead of the trainer on a background thread (`Packer.prefetch` micro-batches): fp8
 shards are decoded there, to the dump's capture dtype, when training on the CPU; a CUDA trainer
 decodes them on the GPU instead (`Packer.decode=False`, `MicroBatch.decoded`: on the CPU the decode
-delivered 12-17k tokens/s at hidden 4096, slower than an 8B-shape step consumes). The time the trainer spends waiting for its
-next micro-batch is the reader's data wait (`DumpReader.stats()`, logged when the reader closes). The order is a pure function of (seed, epoch): shards permuted per epoch, samples
+delivered 12-17k tokens/s at hidden 4096, slower than an 8B-shape step consumes). The time the
+trainer spends waiting for its next micro-batch is the reader's data wait (`DumpReader.stats()`,
+logged when the reader closes).
+
+The order is a pure function of (seed, epoch): shards permuted per epoch, samples
 permuted per shard. A `Cursor` (epoch, shard position, sample position) names the next sample to
 read, so a resumed run continues with exactly the batches an uninterrupted one would have seen.
 

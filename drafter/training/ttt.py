@@ -41,7 +41,7 @@ STATS = ("loss_sum", "loss_positions", "mask_positions", "correct", "chain_corre
 @dataclass
 class MicroBatch:
     """Packed samples (CPU tensors): documents concatenated, no padding. fp8 states may stay
-    encoded (`aux_scales` set) until `decoded` puts them on the training device."""
+    encoded (`aux_scales` set) until `decoded` puts them, decoded, on the training device."""
 
     input_ids: torch.Tensor   # int64 [T]
     loss_mask: torch.Tensor   # bool [T]
