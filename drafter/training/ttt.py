@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from drafter.contracts import fp8
+from drafter.contracts.shards import decode_states
 from drafter.model import DraftKVCache, Eagle3Drafter, apply_rope, ttt_attention_mask
 from drafter.training.attention import DocLayout, ttt_attention
 from drafter.training.teacher import TargetHead, Teacher, linear_soft_cross_entropy, reference_teacher
@@ -63,10 +63,11 @@ class MicroBatch:
         fp8 -> float32 is exact and the scale's product rounds the same way on any IEEE device."""
         if self.aux_scales is None:
             return self
-        return dataclasses.replace(
-            self, aux=fp8.decode(self.aux.to(device), self.aux_scales.to(device), self.decode_dtype),
-            final=fp8.decode(self.final.to(device), self.final_scales.to(device), self.decode_dtype),
-            aux_scales=None, final_scales=None, decode_dtype=None)
+        states = decode_states({"aux_hidden_states": self.aux.to(device), "hidden_states": self.final.to(device),
+                                "aux_scales": self.aux_scales.to(device),
+                                "hidden_scales": self.final_scales.to(device)}, self.decode_dtype)
+        return dataclasses.replace(self, aux=states["aux_hidden_states"], final=states["hidden_states"],
+                                   aux_scales=None, final_scales=None, decode_dtype=None)
 
 
 @dataclass
