@@ -18,7 +18,8 @@ train-section overrides; default: one run at the project's defaults) -> judged.
 
 `--specforge` also trains with SpecForge 0.2.0's own trainer (benchmarks/specforge_trainer.py, its
 wheel on PYTHONPATH) on the same dump, vocab map, teacher and epochs, and pairs each of ours with it
-(`vs_specforge`: difference and 95% paired interval over the prompts). `--only-specforge` runs it
+(`vs_specforge`: difference and 95% paired interval over the prompts); ours trains eagle3 there,
+as SpecForge does, unless a `--variant` or `--drafters` says otherwise. `--only-specforge` runs it
 alone, for a second process on the same GPU; `--merge A.json B.json` pairs such runs afterwards
 (benchmarks/quality_vs_specforge.sh does all of it in one device call). `--target-dir` lets several
 processes share one target build (`--target-only` builds it and exits).
@@ -149,6 +150,12 @@ def with_drafters(variants: dict[str, dict], kinds: list[str] | None) -> tuple[d
     return out, pairs
 
 
+def like_specforge(variants: dict[str, dict]) -> dict[str, dict]:
+    """Against SpecForge 0.2.0, which trains EAGLE-3, ours trains eagle3 too unless a variant says
+    otherwise: the comparison is of trainers, not of drafter kinds (--drafters compares those)."""
+    return {name: {"drafter": "eagle3", **overrides} for name, overrides in variants.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write-corpus", type=Path, metavar="FILE.jsonl.gz",
@@ -217,6 +224,8 @@ def main() -> None:
             parse_variants(args.variant), args.drafters)
     except ValueError as e:
         ap.error(str(e))
+    if args.specforge and not args.drafters:
+        args.variants = like_specforge(args.variants)
     args.specforge = args.specforge or args.only_specforge
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [args.conversations]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """Before a drafter is served: are the layer ids in its config the ones THIS engine, at the version
 installed, needs for the layers it was trained on? (drafter.layers.engine_layer_ids; field note 4.)
+And does that version read the drafter's EAGLE 3.1 flags (drafter.draft_config.eagle31_engine_problem)?
 
 The installed version is asked from the engine's own interpreter (`serve.python`), without starting
 it. When the engine is not importable there (a remote or containerised engine), the version the
@@ -12,6 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from drafter.draft_config import eagle31_engine_problem
 from drafter.layers import READ_VERSIONS, UnknownLayerIdRule, engine_layer_ids
 from drafter.server_errors import ServerConfigError
 
@@ -87,6 +89,13 @@ def check_versioned(engine: str, draft_path: str, target_path: str, python: str)
         source = (f"{engine} not importable with {python}: the version the export was written for"
                   if record.get("engine_version") else
                   f"{engine} not importable with {python}: the version our rules were read in")
+    if config.get("fc_norm") or config.get("norm_output"):
+        try:
+            problem = eagle31_engine_problem(engine, version)
+        except UnknownLayerIdRule as err:  # not a version number
+            raise ServerConfigError(f"{engine}: {err}", engine=engine) from None
+        if problem is not None:
+            raise ServerConfigError(f"{draft_path}: {problem} ({source})", engine=engine)
     ours, written = record.get("aux_layer_ids"), _draft_ids(config)
     base = {"engine": engine, "engine_version": version, "version_source": source}
     if ours is None or written is None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from drafter.draft_config import eagle31_engine_problem
 from drafter.errors import DrafterError
 from drafter.hashing import short_hash
 from drafter.layers import LAYER_ID_CONVENTION, READ_VERSIONS, EngineLayerIds, UnknownLayerIdRule, engine_layer_ids
@@ -103,6 +104,13 @@ class TargetInfo:
 
 # --------------------------------------------------------------------------- writing
 
+def refuse_old_engine(config: Eagle3DraftConfig, engine: str, version: str) -> None:
+    """An EAGLE 3.1 drafter is not written for an engine version that may ignore its flags."""
+    if config.fc_norm or config.norm_output:
+        if (problem := eagle31_engine_problem(engine, version)) is not None:
+            raise ExportError(f"export.{engine}_version: {problem}")
+
+
 def write_sglang(drafter: Eagle3Drafter, target: TargetInfo, out_dir: str | Path,
                  our_aux_ids: list[int], sglang_version: str = READ_VERSIONS["sglang"]) -> dict[str, Any]:
     """Write the SGLang-format directory; returns what was written (ids, rule, dtype)."""
@@ -111,6 +119,7 @@ def write_sglang(drafter: Eagle3Drafter, target: TargetInfo, out_dir: str | Path
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mapped = sglang_layer_ids(our_aux_ids, target.architecture, sglang_version)
+    refuse_old_engine(drafter.config, "sglang", sglang_version)
     ids, rule = mapped.ids, mapped.rule
     dtype = drafter.lm_head.weight.dtype
     tensors = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k != EMBED_KEY}

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from drafter.export.sglang import EMBED_KEY, PROVENANCE_KEY, ExportError, TargetInfo
+from drafter.export.sglang import EMBED_KEY, PROVENANCE_KEY, ExportError, TargetInfo, refuse_old_engine
 from drafter.layers import (INPUT_OF_LAYER_CONVENTION, LAYER_ID_CONVENTION, READ_VERSIONS, EngineLayerIds,
                             UnknownLayerIdRule, engine_layer_ids)
 from drafter.model import CONFIG_FILE, WEIGHTS_FILE, Eagle3DraftConfig
@@ -88,6 +88,7 @@ def write_vllm(sglang_dir: str | Path, target: TargetInfo, out_dir: str | Path, 
     with_maps = cfg.draft_vocab_size != target.vocab_size
     out = {vllm_key(k): v.contiguous() for k, v in tensors.items() if with_maps or k not in ("d2t", "t2d")}
     mapped = vllm_layer_ids(our_aux_ids, target.architecture, vllm_version)
+    refuse_old_engine(cfg, "vllm", vllm_version)
     ids = mapped.ids
     data = {
         "architectures": ARCHITECTURES,

@@ -70,7 +70,7 @@ def check_init_from(model: Eagle3Drafter, target: dict, aux_layer_ids: list[int]
     c = model.config
     problems = []
     if c.drafter != drafter:  # eagle3 weights have no fc_norm; eagle3.1's were trained with post-norm feedback
-        problems.append(f"drafter: {c.drafter}, train.drafter is {drafter}")
+        problems.append(f"drafter: {c.drafter}, train.drafter is {drafter} (train.drafter: {c.drafter} fine-tunes it)")
     for name, got, want in (("hidden_size", c.hidden_size, target["hidden_size"]),
                             ("target_hidden_size", c.target_hidden_size, target["hidden_size"]),
                             ("vocab_size", c.vocab_size, target["vocab_size"]),

@@ -31,6 +31,12 @@ def test_drafters_train_each_variant_once_per_kind_and_pair_the_later_kinds_with
         q.with_drafters({"ours": {}}, ["eagle3", "eagle3"])
 
 
+def test_against_specforge_ours_trains_eagle3_unless_a_variant_says_otherwise():
+    assert q.like_specforge({"ours": {}}) == {"ours": {"drafter": "eagle3"}}
+    assert q.like_specforge({"a": {"drafter": "eagle3.1", "ttt_length": 5}}) == {
+        "a": {"drafter": "eagle3.1", "ttt_length": 5}}
+
+
 def test_paired_labels_default_to_ours_and_specforge():
     judged = lambda rows: {"judged": {1: {"per_prompt": rows}}, "held_out": {"acc": [0.5]}, "seconds": 1.0}
     ours, theirs = judged([[10, 8], [10, 6], [10, 7]]), judged([[10, 5], [10, 5], [10, 4]])

@@ -153,6 +153,26 @@ def test_serve_uses_the_installed_version_and_refuses_ids_it_would_read_one_laye
         check_draft_layer_ids("sglang", good, target, _fake_python(tmp_path, "0.5.24"))
 
 
+def test_an_eagle31_drafter_is_refused_by_an_engine_version_that_may_ignore_its_norms(tmp_path):
+    """SGLang 0.5.x below 0.5.23 passes the layer-id rule, but its draft model was not read with
+    fc_norm / norm_output: an EAGLE 3.1 export would load there and draft without its norms."""
+    from drafter.draft_config import eagle31_engine_problem
+    from drafter.engines.layer_check import check_draft_layer_ids
+    from drafter.server_errors import ServerConfigError
+
+    target = _target(tmp_path, "LlamaForCausalLM")
+    draft = _draft(tmp_path, [1, 15, 28], [1, 15, 28], version="0.5.23")
+    config = json.loads((Path(draft) / "config.json").read_text())
+    assert check_draft_layer_ids("sglang", draft, target, _fake_python(tmp_path, "0.5.20"))["checked"]  # eagle3
+    (Path(draft) / "config.json").write_text(json.dumps({**config, "fc_norm": True, "norm_output": True}))
+    with pytest.raises(ServerConfigError, match=r"sglang 0.5.20 is older than the first version read with EAGLE "
+                                                r"3.1's fc_norm/norm_output \(sglang 0.5.23\)"):
+        check_draft_layer_ids("sglang", draft, target, _fake_python(tmp_path, "0.5.20"))
+    assert check_draft_layer_ids("sglang", draft, target, _fake_python(tmp_path, "0.5.23"))["checked"]
+    assert "vllm 0.31.2 is older" in eagle31_engine_problem("vllm", "0.31.2")
+    assert eagle31_engine_problem("vllm", "0.32.0+cpu") is None and eagle31_engine_problem("reference", "ours") is None
+
+
 def test_serve_without_the_engine_importable_says_which_version_it_assumed(tmp_path):
     import sys
 

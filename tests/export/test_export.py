@@ -147,6 +147,20 @@ def test_export_refuses_a_layer_id_combination_nobody_read():
 
 # ----------------------------------------------------------------------------- the real vLLM client
 
+def test_an_eagle31_drafter_is_not_written_for_an_engine_version_that_may_ignore_its_norms(pair, tmp_path):
+    from drafter.model import DRAFTERS, Eagle3DraftConfig, Eagle3Drafter
+
+    target, draft = pair
+    info = TargetInfo.read(target)
+    src = load_drafter(draft)
+    write_sglang(src, info, tmp_path / "old3", AUX, sglang_version="0.5.20")  # eagle3: any 0.5.x
+    variant = Eagle3Drafter(Eagle3DraftConfig.from_json_dict({**src.config.to_json_dict(), **DRAFTERS["eagle3.1"]}))
+    with pytest.raises(ExportError, match=r"export.sglang_version: sglang 0.5.20 is older than the first version "
+                                          r"read with EAGLE 3.1's fc_norm/norm_output"):
+        write_sglang(variant, info, tmp_path / "old31", AUX, sglang_version="0.5.20")
+    assert not (tmp_path / "old31" / "config.json").exists()
+
+
 @pytest.mark.parametrize("drafter", ["eagle3", "eagle3.1"])
 def test_vllm_export_loads_in_speculators_with_our_logits(pair, tmp_path, drafter):
     """speculators' own Eagle3DraftModel on our vLLM export gives our logits for two TTT steps; for

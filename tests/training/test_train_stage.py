@@ -52,10 +52,10 @@ def test_train_fingerprint_follows_what_changes_the_drafter(env):
     assert TABLE.fingerprint("train", cfg, {"dump": "another0"}) != fp
 
 
-def test_eagle31_enters_the_fingerprint_only_when_chosen_and_trains_its_parts(env, monkeypatch):
-    """`train.drafter: eagle3` (the default) is left out of the fingerprint, so eagle3 outputs keep
-    theirs; eagle3.1 is in it, trains fc_norm and commits a drafter whose config carries both flags;
-    an eagle3 drafter is refused as its starting point."""
+def test_eagle31_is_the_default_enters_the_fingerprint_and_trains_its_parts(env, monkeypatch):
+    """`train.drafter: eagle3.1` is the default and in the fingerprint; eagle3 is left out of it, so
+    eagle3 outputs from before the field keep theirs. eagle3.1 trains fc_norm and commits a drafter
+    whose config carries both flags; an eagle3 drafter is refused as its starting point."""
     from drafter.stages import train as train_stage
     from drafter.training.errors import TrainingError
 
@@ -64,17 +64,17 @@ def test_eagle31_enters_the_fingerprint_only_when_chosen_and_trains_its_parts(en
     payloads = []
     real = train_stage.stage_fingerprint
     monkeypatch.setattr(train_stage, "stage_fingerprint", lambda *a: payloads.append(a[1]) or real(*a))
-    fp = TABLE.fingerprint("train", make_cfg(target, root, max_steps=2), {"dump": dump_fp})
-    assert TABLE.fingerprint("train", make_cfg(target, root, max_steps=2, drafter="eagle3"), {"dump": dump_fp}) == fp
+    assert make_cfg(target, root).train.drafter == "eagle3.1"
+    fp = TABLE.fingerprint("train", make_cfg(target, root, max_steps=2, drafter="eagle3"), {"dump": dump_fp})
     assert all("drafter" not in p["train"] for p in payloads)  # the payload eagle3 outputs were fingerprinted with
-    cfg31 = make_cfg(target, root, max_steps=2, drafter="eagle3.1")
+    cfg31 = make_cfg(target, root, max_steps=2)
     assert TABLE.fingerprint("train", cfg31, {"dump": dump_fp}) != fp and payloads[-1]["train"]["drafter"] == "eagle3.1"
 
     result = TABLE.run("train", cfg31, store, upstream={"dump": dump_fp})
     drafter = load_drafter(download_trained_drafter(store, result.fingerprint, tmp / "got31"))
     assert drafter.config.drafter == "eagle3.1" and drafter.config.fc_norm and drafter.config.norm_output
     assert all(not bool((n.weight == 1).all()) for n in drafter.fc_norm)  # trained away from their init (ones)
-    eagle3 = TABLE.run("train", make_cfg(target, root, max_steps=2), store, upstream={"dump": dump_fp})
+    eagle3 = TABLE.run("train", make_cfg(target, root, max_steps=2, drafter="eagle3"), store, upstream={"dump": dump_fp})
     start = download_trained_drafter(store, eagle3.fingerprint, tmp / "got3")
     with pytest.raises(TrainingError, match="drafter: eagle3, train.drafter is eagle3.1"):
         TABLE.run("train", make_cfg(target, root, max_steps=2, drafter="eagle3.1", init_from=str(start)), store,

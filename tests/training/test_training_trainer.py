@@ -64,7 +64,7 @@ def test_trains_and_writes_a_loadable_drafter_with_metrics(env):
 
 def test_init_from_takes_the_drafters_vocab(env):
     tmp, target, store = env
-    src = init_random_drafter(target, tmp / "init", aux_layer_ids=AUX, draft_vocab_size=40, seed=3)
+    src = init_random_drafter(target, tmp / "init", aux_layer_ids=AUX, draft_vocab_size=40, seed=3, drafter="eagle3.1")
     res = train_drafter(make_cfg(target, "file:///x", init_from=str(src), max_steps=2), store, "dump0001",
                         run_fingerprint="r2", out_dir=tmp / "out", target_fingerprint=TARGET_FP)
     assert res.meta["vocab_source"] == "init_from"
@@ -75,7 +75,7 @@ def test_init_from_takes_the_drafters_vocab(env):
                                            ({"draft_vocab_size": 30}, "draft_vocab_size")])
 def test_init_from_mismatched_drafter_is_refused_by_name(env, change, field):
     tmp, target, store = env
-    kw = {"aux_layer_ids": AUX, "draft_vocab_size": 40, **change}
+    kw = {"aux_layer_ids": AUX, "draft_vocab_size": 40, "drafter": "eagle3.1", **change}  # the default variant
     src = init_random_drafter(target, tmp / "bad", **kw)
     with pytest.raises(DrafterIncompatible, match=field) as err:
         train_drafter(make_cfg(target, "file:///x", init_from=str(src)), store, "dump0001", run_fingerprint="r3",
@@ -86,7 +86,7 @@ def test_init_from_mismatched_drafter_is_refused_by_name(env, change, field):
 def test_init_from_with_another_hidden_size_is_refused(env):
     tmp, target, store = env
     other = make_target(tmp / "other", hidden=48)
-    src = init_random_drafter(other, tmp / "wide", aux_layer_ids=AUX, draft_vocab_size=40)
+    src = init_random_drafter(other, tmp / "wide", aux_layer_ids=AUX, draft_vocab_size=40, drafter="eagle3.1")
     with pytest.raises(DrafterIncompatible, match="hidden_size: drafter has 48, expected 32"):
         train_drafter(make_cfg(target, "file:///x", init_from=str(src)), store, "dump0001", run_fingerprint="r4",
                       out_dir=tmp / "out", target_fingerprint=TARGET_FP)
