@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from drafter.errors import DrafterError
-from drafter.layers import LAYER_ID_CONVENTION, default_aux_layer_ids, parse_version
+from drafter.layers import LAYER_ID_CONVENTION, default_aux_layer_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE = "config.json"
@@ -26,20 +26,6 @@ OPTIONAL_KEYS = ("embed_tokens.weight",)
 DRAFTERS = {"eagle3": {"fc_norm": False, "norm_output": False},
             "eagle3.1": {"fc_norm": True, "norm_output": True}}
 NUM_AUX = 3  # captured hidden states: fc reads 3 x target_hidden_size, fc_norm has one norm each
-# The first engine versions whose draft model code was read with both EAGLE 3.1 flags. An older one may
-# load a 3.1 drafter cleanly and draft without its norms (silently worse), so it is refused; a newer
-# one is trusted to keep reading them.
-EAGLE31_READ_SINCE = {"sglang": "0.5.23", "vllm": "0.32.0"}
-
-
-def eagle31_engine_problem(engine: str, version: str) -> str | None:
-    """Why `engine` at `version` must not be given an EAGLE 3.1 drafter, or None."""
-    since = EAGLE31_READ_SINCE.get(engine)
-    if since is None or parse_version(version) >= parse_version(since):
-        return None
-    return (f"{engine} {version} is older than the first version read with EAGLE 3.1's fc_norm/norm_output "
-            f"({engine} {since}): it may load this eagle3.1 drafter and draft without its norms. Use {engine} "
-            f">= {since}, or train with train.drafter: eagle3")
 
 
 class DrafterCheckpointError(DrafterError, ValueError):

@@ -12,7 +12,8 @@ from drafter.config.sections import (
     TrainConfig, server_key)
 from drafter.config.target import TargetConfig
 from drafter.engine_registry import make_engine
-from drafter.layers import aux_layer_id_problem, default_aux_layer_ids
+from drafter.eagle31 import eagle31_engine_problem
+from drafter.layers import UnknownLayerIdRule, aux_layer_id_problem, default_aux_layer_ids
 
 MAX_PORT = 65535
 Interleave = Literal["concurrent", "relaunch"]
@@ -93,6 +94,15 @@ def cross_field_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
     if vocab is not None and cfg.train.draft_vocab_size > vocab:
         problems.append(("train.draft_vocab_size",
                          f"{cfg.train.draft_vocab_size} exceeds the target vocab ({vocab})"))
+    if cfg.train.drafter != "eagle3":  # the export refuses it too, but only after the training
+        for engine in ("sglang", "vllm"):
+            field = f"export.{engine}_version"
+            try:
+                problem = eagle31_engine_problem(engine, getattr(cfg.export, f"{engine}_version"))
+            except UnknownLayerIdRule as err:  # not a version number
+                problem = str(err)
+            if problem is not None:
+                problems.append((field, problem))
     if (problem := registry_name_problem(cfg.registry_name())) is not None:
         field = "retrain.drafter_name" if cfg.retrain.drafter_name else "name"
         problems.append((field, problem + ("" if cfg.retrain.drafter_name else

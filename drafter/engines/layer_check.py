@@ -1,6 +1,6 @@
 """Before a drafter is served: are the layer ids in its config the ones THIS engine, at the version
 installed, needs for the layers it was trained on? (drafter.layers.engine_layer_ids; field note 4.)
-And does that version read the drafter's EAGLE 3.1 flags (drafter.draft_config.eagle31_engine_problem)?
+And does that version read the drafter's EAGLE 3.1 flags (drafter.eagle31)?
 
 The installed version is asked from the engine's own interpreter (`serve.python`), without starting
 it. When the engine is not importable there (a remote or containerised engine), the version the
@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from drafter.draft_config import eagle31_engine_problem
+from drafter.eagle31 import eagle31_engine_problem
 from drafter.layers import READ_VERSIONS, UnknownLayerIdRule, engine_layer_ids
 from drafter.server_errors import ServerConfigError
 

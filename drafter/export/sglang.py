@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from drafter.draft_config import eagle31_engine_problem
+from drafter.eagle31 import eagle31_engine_problem
 from drafter.errors import DrafterError
 from drafter.hashing import short_hash
 from drafter.layers import LAYER_ID_CONVENTION, READ_VERSIONS, EngineLayerIds, UnknownLayerIdRule, engine_layer_ids

@@ -156,7 +156,7 @@ def test_serve_uses_the_installed_version_and_refuses_ids_it_would_read_one_laye
 def test_an_eagle31_drafter_is_refused_by_an_engine_version_that_may_ignore_its_norms(tmp_path):
     """SGLang 0.5.x below 0.5.23 passes the layer-id rule, but its draft model was not read with
     fc_norm / norm_output: an EAGLE 3.1 export would load there and draft without its norms."""
-    from drafter.draft_config import eagle31_engine_problem
+    from drafter.eagle31 import eagle31_engine_problem
     from drafter.engines.layer_check import check_draft_layer_ids
     from drafter.server_errors import ServerConfigError
 
@@ -171,6 +171,15 @@ def test_an_eagle31_drafter_is_refused_by_an_engine_version_that_may_ignore_its_
     assert check_draft_layer_ids("sglang", draft, target, _fake_python(tmp_path, "0.5.23"))["checked"]
     assert "vllm 0.31.2 is older" in eagle31_engine_problem("vllm", "0.31.2")
     assert eagle31_engine_problem("vllm", "0.32.0+cpu") is None and eagle31_engine_problem("reference", "ours") is None
+
+
+def test_a_profile_exporting_eagle31_for_an_engine_too_old_is_refused_before_training(tmp_path):
+    from drafter.config import ConfigError, parse_config
+
+    old = {"target": {"path": str(tmp_path)}, "export": {"sglang_version": "0.5.20"}}
+    with pytest.raises(ConfigError, match=r"export.sglang_version: sglang 0.5.20 is older than the first version"):
+        parse_config(old)
+    assert parse_config({**old, "train": {"drafter": "eagle3"}}).export.sglang_version == "0.5.20"
 
 
 def test_serve_without_the_engine_importable_says_which_version_it_assumed(tmp_path):
