@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from drafter.eagle31 import DRAFTERS
 from drafter.errors import DrafterError
 from drafter.layers import LAYER_ID_CONVENTION, default_aux_layer_ids
 
@@ -20,11 +21,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # Keys the drafter may carry but SGLang does not need: it swaps in the target's embedding.
 OPTIONAL_KEYS = ("embed_tokens.weight",)
-# The drafter variants (`train.drafter`) and the config flags each sets. EAGLE 3.1 is still `eagle3`
-# to the engines: the flags switch on its two parts, read by SGLang 0.5.23 and vLLM 0.32.0 as
-# `config.fc_norm` / `config.norm_output` (drafter.model says where).
-DRAFTERS = {"eagle3": {"fc_norm": False, "norm_output": False},
-            "eagle3.1": {"fc_norm": True, "norm_output": True}}
 NUM_AUX = 3  # captured hidden states: fc reads 3 x target_hidden_size, fc_norm has one norm each
 
 

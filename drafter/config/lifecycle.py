@@ -12,7 +12,7 @@ from drafter.config.sections import (
     TrainConfig, server_key)
 from drafter.config.target import TargetConfig
 from drafter.engine_registry import make_engine
-from drafter.eagle31 import eagle31_engine_problem
+from drafter.eagle31 import eagle31_engine_problem, kind_at
 from drafter.layers import UnknownLayerIdRule, aux_layer_id_problem, default_aux_layer_ids
 
 MAX_PORT = 65535
@@ -94,6 +94,11 @@ def cross_field_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
     if vocab is not None and cfg.train.draft_vocab_size > vocab:
         problems.append(("train.draft_vocab_size",
                          f"{cfg.train.draft_vocab_size} exceeds the target vocab ({vocab})"))
+    start = cfg.train.init_from
+    if start not in (None, "champion") and (kind := kind_at(start)) not in (None, cfg.train.drafter):
+        # the trainer refuses it too, but only after datagen and dump (the champion is resolved then)
+        problems.append(("train.drafter", f"{cfg.train.drafter}, but train.init_from {start} is an {kind} drafter: "
+                                          f"set train.drafter: {kind} to fine-tune it"))
     if cfg.train.drafter != "eagle3":  # the export refuses it too, but only after the training
         for engine in ("sglang", "vllm"):
             field = f"export.{engine}_version"

@@ -56,6 +56,7 @@ def test_eagle31_is_the_default_enters_the_fingerprint_and_trains_its_parts(env,
     """`train.drafter: eagle3.1` is the default and in the fingerprint; eagle3 is left out of it, so
     eagle3 outputs from before the field keep theirs. eagle3.1 trains fc_norm and commits a drafter
     whose config carries both flags; an eagle3 drafter is refused as its starting point."""
+    from drafter.config import ConfigError
     from drafter.stages import train as train_stage
     from drafter.training.errors import TrainingError
 
@@ -76,9 +77,15 @@ def test_eagle31_is_the_default_enters_the_fingerprint_and_trains_its_parts(env,
     assert all(not bool((n.weight == 1).all()) for n in drafter.fc_norm)  # trained away from their init (ones)
     eagle3 = TABLE.run("train", make_cfg(target, root, max_steps=2, drafter="eagle3"), store, upstream={"dump": dump_fp})
     start = download_trained_drafter(store, eagle3.fingerprint, tmp / "got3")
-    with pytest.raises(TrainingError, match="drafter: eagle3, train.drafter is eagle3.1"):
-        TABLE.run("train", make_cfg(target, root, max_steps=2, drafter="eagle3.1", init_from=str(start)), store,
-                  upstream={"dump": dump_fp})
+    with pytest.raises(ConfigError, match=r"train.drafter: eagle3.1, but train.init_from .*got3 is an eagle3 "
+                                          r"drafter: set train.drafter: eagle3 to fine-tune it"):
+        make_cfg(target, root, max_steps=2, init_from=str(start))  # caught when the profile is read
+    fine_tune = make_cfg(target, root, max_steps=2, drafter="eagle3", init_from=str(start))
+    # the trainer refuses it too: a champion is only known when the stage runs
+    mixed = fine_tune.model_copy(update={"train": fine_tune.train.model_copy(update={"drafter": "eagle3.1"})})
+    with pytest.raises(TrainingError, match=r"drafter: eagle3, train.drafter is eagle3.1 \(train.drafter: eagle3 "
+                                            r"fine-tunes it\)"):
+        TABLE.run("train", mixed, store, upstream={"dump": dump_fp})
 
 
 def test_missing_dump_is_named(env):
