@@ -15,7 +15,7 @@
 #   OUT=/some/dir CONVERSATIONS="800 4000" STEPS=3 SF_ATTENTION=sdpa bash benchmarks/quality_vs_specforge.sh
 # Environment: CONVERSATIONS (budgets, space-separated, default 800), STEPS (draft steps judged, topk 1,
 # default 1,3), VARIANTS (space-separated NAME=JSON train overrides, JSON without spaces; default
-# 'ours={}': the project's defaults), PROMPTS (held-out prompts judged, default 32), MAX_NEW_TOKENS
+# 'ours={"drafter":"eagle3"}': the project's defaults with SpecForge's kind, EAGLE-3), PROMPTS (held-out prompts judged, default 32), MAX_NEW_TOKENS
 # (default 96), EPOCHS (default 1), WAIT (seconds this call waits, default 560), WORK (default
 # /tmp/quality-vs-specforge), SF_ATTENTION (flex_attention, SpecForge's default, or sdpa: the same
 # step computed faster at batch 1, benchmarks/specforge_backends.py checks both agree).
@@ -25,7 +25,8 @@ set -u
 OUT="${OUT:?set OUT}"
 CONVERSATIONS="${CONVERSATIONS:-800}"; STEPS="${STEPS:-1,3}"; PROMPTS="${PROMPTS:-32}"
 MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-96}"; EPOCHS="${EPOCHS:-1}"; WAIT="${WAIT:-560}"
-SF_ATTENTION="${SF_ATTENTION:-flex_attention}"; VARIANTS="${VARIANTS:-ours={\}}"
+DEFAULT_VARIANTS='ours={"drafter":"eagle3"}'  # like for like: SpecForge 0.2.0 trains EAGLE-3
+SF_ATTENTION="${SF_ATTENTION:-flex_attention}"; VARIANTS="${VARIANTS:-$DEFAULT_VARIANTS}"
 WORK="${WORK:-/tmp/quality-vs-specforge}"
 mkdir -p "$OUT" "$WORK" || exit 1
 
