@@ -274,7 +274,33 @@ def trainer_graphs_check() -> dict:
             out[f"trainer_{dtype}_cuda_graphs"] = {"final_eval_loss0_plain": la, "final_eval_loss0_graphs": lb,
                                                    "weights_max_rel_err": rel,
                                                    "pass": rel < tol and abs(la - lb) <= tol * max(1.0, abs(la))}
+            if dtype == "float32":  # the queued steps (pinned batches, no per-step sync) against in-step syncs
+                rs, ws = synced_run(cfg, store, tmp / "o-synced")
+                rel = max_rel_err([ws[k] for k in keys], [wb[k] for k in keys])
+                out["trainer_float32_steps_in_flight"] = {
+                    "weights_max_rel_err": rel, "bitwise_equal": all(torch.equal(ws[k], wb[k]) for k in wb),
+                    "same_metrics": rs == rb,
+                    "pass": rel < tol and abs(rs[-1]["loss"][0] - lb) <= tol * max(1.0, abs(lb))}
     return out
+
+
+def synced_run(cfg, store, out_dir: Path) -> tuple[list[dict], dict]:
+    """train_drafter as before the host ran ahead: pageable batches, a device sync after every step."""
+    from safetensors.torch import load_file
+
+    from drafter.training import trainer
+    from tests.fixtures.training_data import TARGET_FP
+
+    saved = trainer.STEPS_IN_FLIGHT, trainer.Packer
+    trainer.STEPS_IN_FLIGHT = 0
+    trainer.Packer = lambda *args, **kw: saved[1](*args, **{**kw, "pin": False})
+    try:
+        r = trainer.train_drafter(cfg, store, "dump0001", run_fingerprint="synced", out_dir=out_dir,
+                                  target_fingerprint=TARGET_FP)
+    finally:
+        trainer.STEPS_IN_FLIGHT, trainer.Packer = saved
+    rows = [json.loads(x) for x in r.metrics_path.read_text().splitlines()]
+    return rows, load_file(str(r.drafter_dir / "model.safetensors"))
 
 
 def run_all(a) -> None:
@@ -337,6 +363,7 @@ def real_dump(a, storage: str) -> tuple[str, str, dict]:
     root.mkdir(parents=True, exist_ok=True)
     # ShareGPT at 1024 tokens: ~1.4k tokens per micro-batch (a sample over the budget is one of its own)
     need = int(1.6 * (a.warmup + a.steps) * a.micro_batches * a.tokens_per_micro_batch)
+    need = min(need, a.dump_tokens) if a.dump_tokens else need  # a long window reads the dump again (epochs)
     masks = rb.sharegpt_masks(read_conversations(Path(a.sharegpt_lengths)), a.max_length, a.chars_per_token,
                               max_tokens=need)
     t = time.perf_counter()
@@ -449,8 +476,7 @@ def run_real(a) -> dict:
         if step is None:
             return {**head, "skipped": captures}
     reader = rb.open_reader(store, fp, a.max_length, a.seed, a.cache_shards, a.prefetch_shards)
-    stream = rb.batches(reader, a.tokens_per_micro_batch, a.max_length, epochs=1000,
-                        decode=device.type == "cpu")  # where the trainer decodes fp8
+    stream = rb.batches(reader, a.tokens_per_micro_batch, a.max_length, epochs=1000, device=a.device)
     digests = rb.BatchDigests()
     rows, stopped, t_job, window, epochs = [], "steps", time.perf_counter(), None, 0
     try:
@@ -474,6 +500,8 @@ def run_real(a) -> dict:
                 stopped = f"time budget ({a.max_seconds} s)"
                 break
     finally:
+        if device.type == "cuda":  # the trainer queues steps without waiting: the window ends when the GPU does
+            torch.cuda.synchronize()
         t_end = time.perf_counter()
         stream.close()
         reader.close()
@@ -493,6 +521,8 @@ def run_real(a) -> dict:
             "tokens_timed": tokens, "window_s": round(span, 3),
             "tokens_per_s": round(tokens / span, 1),  # end to end: reader waits and captures included
             "data_wait_share": round(sum(r[0] for r in timed) / span, 4),
+            # where the waits fall: seconds waited in each quarter of the timed steps, in order
+            "data_wait_s_by_quarter": [round(sum(r[0] for r in q), 3) for q in quarters(timed)],
             "graph_captures_timed": sum(r[3] for r in timed),
             "graph_captures_per_100_steps": round(100 * sum(r[3] for r in timed) / len(timed), 1),
             "capture_step_s_median": round(statistics.median(capture_steps), 3) if capture_steps else None,
@@ -504,6 +534,12 @@ def run_real(a) -> dict:
         out.update(peak_mem_GiB=round(torch.cuda.max_memory_allocated() / 2 ** 30, 2),
                    device_name=torch.cuda.get_device_name())
     return out
+
+
+def quarters(rows: list) -> list[list]:
+    """`rows` cut into four runs of consecutive rows (the last ones may be shorter)."""
+    n = -(-len(rows) // 4)
+    return [rows[i:i + n] for i in range(0, 4 * n, n)] if rows else []
 
 
 def run_all_real(a) -> dict:
@@ -632,6 +668,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--shards", metavar="STORE", help="read an existing dump: DIR, file://DIR or s3://BUCKET/PREFIX")
     r.add_argument("--dump", metavar="FP", help="the dump's fingerprint (default: the store's only dump)")
     r.add_argument("--store-dir", default="/tmp/bench-train-store", help="file:// store of --sharegpt-lengths' dumps")
+    r.add_argument("--dump-tokens", type=int, default=None, help="at most this many tokens in the synthetic dump "
+                   "(default: enough for every step once); fewer are read again, epoch after epoch")
     r.add_argument("--storage-dtypes", nargs="+", default=["bfloat16", "float8_e4m3"], choices=list(STORAGE))
     r.add_argument("--chars-per-token", type=float, default=4.0, help="UTF-8 bytes per token of the length estimate")
     r.add_argument("--jobs", nargs="+", default=["specforge", "ours-compile", "ours-graphs", "ours-graphs-b4"],

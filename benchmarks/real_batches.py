@@ -132,10 +132,12 @@ def open_reader(store: ObjectStore, fingerprint: str, max_length: int, seed: int
                       prefetch_shards=prefetch_shards)
 
 
-def batches(reader: DumpReader, tokens_per_micro_batch: int, max_length: int, epochs: int, decode: bool = True):
-    """The trainer's stream: (cursor, micro-batch, next cursor), packed ahead on the packer's thread
-    (fp8 states decoded there, or with `decode=False` left for `MicroBatch.decoded`)."""
-    packer = Packer(tokens_per_micro_batch, max_length, decode=decode)
+def batches(reader: DumpReader, tokens_per_micro_batch: int, max_length: int, epochs: int, device: str = "cpu"):
+    """The trainer's stream for a `device` trainer, packed as the trainer packs: (cursor,
+    micro-batch, next cursor), ahead on the packer's thread (fp8 states decoded there for the CPU;
+    for CUDA left for `MicroBatch.decoded`, in page-locked memory)."""
+    cuda = torch.device(device).type == "cuda"
+    packer = Packer(tokens_per_micro_batch, max_length, decode=not cuda, pin=cuda)
     return packer.batches(reader.samples(Cursor(), epochs), Cursor(epochs, 0, 0))
 
 

@@ -87,11 +87,16 @@ class StaticBatch:
         return StaticBatch(**out)
 
     def copy_(self, src: "StaticBatch") -> None:
-        """Fill these (graph-read) buffers with `src`'s values; shapes must match (same key)."""
+        """Fill these (graph-read) buffers with `src`'s values; shapes must match (same key).
+        Host tensors are page-locked first: a copy from pageable memory would wait for the GPU to
+        finish the steps queued before it."""
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
-                v.copy_(getattr(src, f.name), non_blocking=True)
+                x = getattr(src, f.name)
+                if v.is_cuda and not x.is_cuda:
+                    x = x.pin_memory()
+                v.copy_(x, non_blocking=True)
 
 
 def plan_static(mb: MicroBatch, K: int, decay: float, norm: float, tokens: int, row_multiple: int = 128,

@@ -14,6 +14,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ from drafter.training.vocab import ids_from_maps, select_draft_vocab
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
+# Optimizer steps queued on the GPU at once: with 2, the host packs, plans and copies step n + 1
+# while the GPU runs step n (pinned batches, no per-step sync), without running further ahead.
+STEPS_IN_FLIGHT = 2
 CURVES_FILE = "curves.png"
 
 
@@ -242,6 +246,8 @@ class _State:
 
     acc: torch.Tensor               # TTT stats summed since the last train row
     step: int = 0
+    pending: list = field(default_factory=list)  # steps' stats still on the device (`_flush` adds them to acc)
+    in_flight: deque = field(default_factory=deque)  # CUDA events of the steps the GPU may still be running
     cursor: Cursor = field(default_factory=Cursor)
     rows: list[dict] = field(default_factory=list)
     acc_tokens: int = 0
@@ -257,7 +263,8 @@ def _train(r: _Run) -> TrainResult:
     p = _set_up(r)
     sched = _schedule(tc, r.train_reader)
     st = _resume(r, p)
-    packer = Packer(tc.tokens_per_micro_batch, tc.max_length, decode=r.d.device.type == "cpu")
+    packer = Packer(tc.tokens_per_micro_batch, tc.max_length, decode=r.d.device.type == "cpu",
+                    pin=r.d.device.type == "cuda")
     batches = packer.batches(r.train_reader.samples(st.cursor, tc.epochs), Cursor(tc.epochs, 0, 0))
     st.t_log = time.perf_counter()
     # closing: the packer's thread is stopped and joined however the loop ends (an exception's
@@ -273,6 +280,7 @@ def _train(r: _Run) -> TrainResult:
                 if st.saved_at != st.step:
                     _save(r, p, st)
                 raise TrainingInterrupted(f"SIGTERM at step {st.step}: checkpoint written, a re-run resumes from it")
+    _flush(st)
     if st.acc_tokens:
         st.rows.append({"split": "train", "step": st.step, "tokens": st.acc_tokens, **summarize(st.acc)})
         st.acc.zero_()
@@ -346,6 +354,7 @@ def _resume(r: _Run, p: _Parts) -> _State:
 def _save(r: _Run, p: _Parts, st: _State) -> str:
     """Checkpoint the run at its current step; returns the checkpoint's URI."""
     tc = r.cfg.train
+    _flush(st)
     snapshot = {"run": r.run, "step": st.step, "cursor": st.cursor.to_json(), "metrics": st.rows,
                 "acc": st.acc.clone(), "acc_tokens": st.acc_tokens, "rng": _rng_state(),
                 **_model_state(p.model, p.opt, r.d, tc)}  # every rank takes part in gathering FSDP2 shards
@@ -382,15 +391,28 @@ def _optimizer_step(r: _Run, p: _Parts, sched: _Schedule, st: _State, group: lis
     p.opt.zero_grad()
     st.step += 1
     st.cursor = group[-1][2]
-    st.acc += stats.cpu()
+    st.pending.append(stats)  # read when logged or saved: no device sync per step
     st.acc_tokens += int(norm)
     st.tok_log += int(norm)
+    if d.device.type == "cuda":  # the host prepares the next step while the GPU runs this one, no further
+        st.in_flight.append(torch.cuda.Event())
+        st.in_flight[-1].record()
+        while len(st.in_flight) > STEPS_IN_FLIGHT:
+            st.in_flight.popleft().synchronize()
+
+
+def _flush(st: _State) -> None:
+    """Add the device-side stats of the steps since the last flush to `acc` (one device sync)."""
+    if st.pending:
+        st.acc += torch.stack(st.pending).sum(0).cpu()
+        st.pending.clear()
 
 
 def _at_intervals(r: _Run, p: _Parts, st: _State, total: int) -> None:
     """After a step: train metrics + progress, held-out metrics, a checkpoint, each at its interval."""
     tc = r.cfg.train
     if st.step % tc.log_every_steps == 0:
+        _flush(st)
         now = time.perf_counter()
         st.rows.append({"split": "train", "step": st.step, "tokens": st.acc_tokens, **summarize(st.acc)})
         info = {"loss": st.rows[-1]["loss"][0], "accept_length": st.rows[-1]["accept_length"],

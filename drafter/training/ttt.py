@@ -58,14 +58,19 @@ class MicroBatch:
         return int(self.input_ids.numel())
 
     def decoded(self, device: torch.device) -> MicroBatch:
-        """The states decoded on `device` (half the bytes of bf16 cross to it, and no CPU thread
-        decodes); itself when they are decoded already. The same values as decoding on the CPU:
-        fp8 -> float32 is exact and the scale's product rounds the same way on any IEEE device."""
+        """The states on `device`, decoded there (half the bytes of bf16 cross to it, and no CPU
+        thread decodes); itself on the CPU when they are decoded already. The copies are
+        asynchronous from page-locked batches (`Packer.pin`). The same values as decoding on the
+        CPU: fp8 -> float32 is exact and the scale's product rounds the same way on any IEEE device."""
+        device = torch.device(device)
+        move = lambda t: t.to(device, non_blocking=True)
         if self.aux_scales is None:
-            return self
-        states = decode_states({"aux_hidden_states": self.aux.to(device), "hidden_states": self.final.to(device),
-                                "aux_scales": self.aux_scales.to(device),
-                                "hidden_scales": self.final_scales.to(device)}, self.decode_dtype)
+            if device.type == "cpu":
+                return self
+            return dataclasses.replace(self, aux=move(self.aux), final=move(self.final))
+        states = decode_states({"aux_hidden_states": move(self.aux), "hidden_states": move(self.final),
+                                "aux_scales": move(self.aux_scales),
+                                "hidden_scales": move(self.final_scales)}, self.decode_dtype)
         return dataclasses.replace(self, aux=states["aux_hidden_states"], final=states["hidden_states"],
                                    aux_scales=None, final_scales=None, decode_dtype=None)
 

@@ -51,6 +51,8 @@ def test_real_data_job_reads_the_dump_through_the_reader(storage, corpus, tmp_pa
         assert key in out, key
     assert out["stopped_by"] == "steps" and out["steps_timed"] == 4 and out["tokens_per_s"] > 0
     assert 0 <= out["data_wait_share"] < 1 and out["graph_captures_per_100_steps"] == 0
+    waits = out["data_wait_s_by_quarter"]  # 4 timed steps: one per quarter, adding up to the share
+    assert len(waits) == 4 and sum(waits) == pytest.approx(out["data_wait_share"] * out["window_s"], abs=4e-3)
     assert out["storage_dtype"] == bt.STORAGE[storage] and len(out["batch_digests"]) == 5
     # Any other consumer of the dump (the SpecForge job, in its own process) gets the same batches;
     # another seed, other batches.
@@ -122,3 +124,19 @@ def test_the_time_budget_bounds_the_timed_window_not_the_warm_up(corpus, tmp_pat
     out = bt.run_real(a)
     assert out["steps_warmup"] == 2 and len(out["warmup_step_s"]) == 2
     assert out["steps_timed"] == 1 and out["stopped_by"] == "time budget (1e-09 s)"
+
+
+def test_quarters_keep_every_row_in_order():
+    assert bt.quarters(list(range(10))) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert bt.quarters([1]) == [[1], [], [], []] and bt.quarters([]) == []
+
+
+def test_a_capped_dump_is_read_again_epoch_after_epoch(corpus, tmp_path):
+    """--dump-tokens: a long window over a small dump (the whole dump of an 8B-shape run would not
+    fit the disk): the job reads it more than once, every step timed."""
+    a = bt.parse_args(TINY + ["--sharegpt-lengths", str(corpus), "--store-dir", str(tmp_path / "store"),
+                              "--dump-tokens", "300", "--steps", "8"])
+    a.shards, a.dump, facts = bt.real_dump(a, "bfloat16")
+    assert facts["tokens"] < 1.6 * 9 * 96  # fewer than the steps read
+    out = bt.run_real(a)
+    assert out["steps_timed"] == 8 and out["data_epochs_begun"] > 1
