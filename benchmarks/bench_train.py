@@ -243,14 +243,12 @@ def exactness(a) -> dict:
 def trainer_graphs_check() -> dict:
     """train_drafter on the tests' tiny target and dump, on CUDA, with and without
     train.cuda_graphs: same metrics and final weights (float32 with math attention: equal up to
-    summation order; bfloat16 with flash: within bf16 rounding)."""
+    summation order; bfloat16 with flash: within bf16 rounding); in float32 also with bucketed
+    shape keys and with a device sync after every step."""
     import tempfile
 
-    from safetensors.torch import load_file
-
     from drafter.store import FileStore
-    from drafter.training.trainer import train_drafter
-    from tests.fixtures.training_data import TARGET_FP, make_cfg, make_dump, make_target
+    from tests.fixtures.training_data import make_cfg, make_dump, make_target
 
     out = {}
     with tempfile.TemporaryDirectory() as d:
@@ -263,10 +261,7 @@ def trainer_graphs_check() -> dict:
             for graphs in (False, True):
                 cfg = make_cfg(target, "file:///x", device="cuda", dtype=dtype, cuda_graphs=graphs,
                                compile=graphs, max_steps=8, tokens_per_micro_batch=128)
-                r = train_drafter(cfg, store, "dump0001", run_fingerprint=f"{dtype}-{graphs}",
-                                  out_dir=tmp / f"o-{dtype}-{graphs}", target_fingerprint=TARGET_FP)
-                rows = [json.loads(x) for x in r.metrics_path.read_text().splitlines()]
-                got[graphs] = (rows, load_file(str(r.drafter_dir / "model.safetensors")))
+                got[graphs] = trained(cfg, store, tmp / f"o-{dtype}-{graphs}")
             (ra, wa), (rb, wb) = got[False], got[True]
             keys = [k for k in wa if wa[k].is_floating_point()]
             rel = max_rel_err([wb[k] for k in keys], [wa[k] for k in keys])
@@ -274,33 +269,46 @@ def trainer_graphs_check() -> dict:
             out[f"trainer_{dtype}_cuda_graphs"] = {"final_eval_loss0_plain": la, "final_eval_loss0_graphs": lb,
                                                    "weights_max_rel_err": rel,
                                                    "pass": rel < tol and abs(la - lb) <= tol * max(1.0, abs(la))}
-            if dtype == "float32":  # the queued steps (pinned batches, no per-step sync) against in-step syncs
-                rs, ws = synced_run(cfg, store, tmp / "o-synced")
+            if dtype != "float32":
+                continue
+            # the queued steps (pinned batches, no per-step sync) against in-step syncs; the few
+            # bucketed shape keys (train.cuda_graph_buckets) against the default keys
+            bucketed = make_cfg(target, "file:///x", device="cuda", dtype=dtype, cuda_graphs=True, compile=True,
+                                max_steps=8, tokens_per_micro_batch=128, cuda_graph_buckets=4)
+            for name, (rs, ws) in (("steps_in_flight", synced_run(cfg, store, tmp / "o-synced")),
+                                   ("buckets_4", trained(bucketed, store, tmp / "o-b4"))):
                 rel = max_rel_err([ws[k] for k in keys], [wb[k] for k in keys])
-                out["trainer_float32_steps_in_flight"] = {
+                out[f"trainer_float32_{name}"] = {
                     "weights_max_rel_err": rel, "bitwise_equal": all(torch.equal(ws[k], wb[k]) for k in wb),
                     "same_metrics": rs == rb,
                     "pass": rel < tol and abs(rs[-1]["loss"][0] - lb) <= tol * max(1.0, abs(lb))}
     return out
 
 
-def synced_run(cfg, store, out_dir: Path) -> tuple[list[dict], dict]:
-    """train_drafter as before the host ran ahead: pageable batches, a device sync after every step."""
+def trained(cfg, store, out_dir: Path) -> tuple[list[dict], dict]:
+    """(metrics rows, final weights) of train_drafter on the tests' dump."""
     from safetensors.torch import load_file
 
-    from drafter.training import trainer
+    from drafter.training.trainer import train_drafter
     from tests.fixtures.training_data import TARGET_FP
+
+    r = train_drafter(cfg, store, "dump0001", run_fingerprint=out_dir.name, out_dir=out_dir,
+                      target_fingerprint=TARGET_FP)
+    rows = [json.loads(x) for x in r.metrics_path.read_text().splitlines()]
+    return rows, load_file(str(r.drafter_dir / "model.safetensors"))
+
+
+def synced_run(cfg, store, out_dir: Path) -> tuple[list[dict], dict]:
+    """`trained` as before the host ran ahead: pageable batches, a device sync after every step."""
+    from drafter.training import trainer
 
     saved = trainer.STEPS_IN_FLIGHT, trainer.Packer
     trainer.STEPS_IN_FLIGHT = 0
     trainer.Packer = lambda *args, **kw: saved[1](*args, **{**kw, "pin": False})
     try:
-        r = trainer.train_drafter(cfg, store, "dump0001", run_fingerprint="synced", out_dir=out_dir,
-                                  target_fingerprint=TARGET_FP)
+        return trained(cfg, store, out_dir)
     finally:
         trainer.STEPS_IN_FLIGHT, trainer.Packer = saved
-    rows = [json.loads(x) for x in r.metrics_path.read_text().splitlines()]
-    return rows, load_file(str(r.drafter_dir / "model.safetensors"))
 
 
 def run_all(a) -> None:

@@ -316,7 +316,7 @@ def _set_up(r: _Run) -> _Parts:
         if d.device.type != "cuda" or d.active:
             raise TrainingError(f"train.cuda_graphs needs one CUDA device without torchrun (device {d.device}, "
                                 f"{d.world} processes): set it to false")
-        graphed = GraphedTTT(model, head, compile=tc.compile)
+        graphed = GraphedTTT(model, head, compile=tc.compile, buckets=tc.cuda_graph_buckets)
     opt = MasterAdamW(list(model.parameters()), tc.learning_rate, tc.adam_betas, tc.adam_eps, tc.weight_decay,
                       state_dtype=getattr(torch, tc.optimizer_state_dtype), compile=tc.compile,
                       keep_grads=graphed is not None)

@@ -170,3 +170,12 @@ def test_more_train_processes_than_micro_batches_is_refused():
     with pytest.raises(ConfigError, match="train.nproc_per_node.*micro_batches_per_step >= 4"):
         parse_config({"target": {"path": "/x", "num_hidden_layers": 8, "vocab_size": 100},
                       "train": {"draft_vocab_size": 50, "nproc_per_node": 4, "micro_batches_per_step": 2}})
+
+
+def test_cuda_graph_buckets_default_and_bounds():
+    target = {"path": "/x", "num_hidden_layers": 8, "vocab_size": 100}
+    assert parse_config({"target": target, "train": {"draft_vocab_size": 50}}).train.cuda_graph_buckets == 0
+    assert parse_config({"target": target, "train": {"draft_vocab_size": 50, "cuda_graph_buckets": 4}}
+                        ).train.cuda_graph_buckets == 4
+    with pytest.raises(ConfigError, match="train.cuda_graph_buckets"):
+        parse_config({"target": target, "train": {"draft_vocab_size": 50, "cuda_graph_buckets": -1}})
