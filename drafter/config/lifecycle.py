@@ -13,7 +13,7 @@ from drafter.config.sections import (
 from drafter.config.target import TargetConfig
 from drafter.engine_registry import make_engine
 from drafter.eagle31 import eagle31_engine_problem, kind_at
-from drafter.layers import UnknownLayerIdRule, aux_layer_id_problem, default_aux_layer_ids
+from drafter.layers import aux_layer_id_problem, default_aux_layer_ids
 
 MAX_PORT = 65535
 Interleave = Literal["concurrent", "relaunch"]
@@ -99,15 +99,10 @@ def cross_field_problems(cfg: LifecycleConfig) -> list[tuple[str, str]]:
         # the trainer refuses it too, but only after datagen and dump (the champion is resolved then)
         problems.append(("train.drafter", f"{cfg.train.drafter}, but train.init_from {start} is an {kind} drafter: "
                                           f"set train.drafter: {kind} to fine-tune it"))
-    if cfg.train.drafter != "eagle3":  # the export refuses it too, but only after the training
-        for engine in ("sglang", "vllm"):
-            field = f"export.{engine}_version"
-            try:
-                problem = eagle31_engine_problem(engine, getattr(cfg.export, f"{engine}_version"))
-            except UnknownLayerIdRule as err:  # not a version number
-                problem = str(err)
-            if problem is not None:
-                problems.append((field, problem))
+    for engine in ("sglang", "vllm"):  # the export refuses it too, but only after the training
+        version = getattr(cfg.export, f"{engine}_version")
+        if (problem := eagle31_engine_problem(cfg.train.drafter, engine, version)) is not None:
+            problems.append((f"export.{engine}_version", problem))
     if (problem := registry_name_problem(cfg.registry_name())) is not None:
         field = "retrain.drafter_name" if cfg.retrain.drafter_name else "name"
         problems.append((field, problem + ("" if cfg.retrain.drafter_name else

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from drafter.eagle31 import eagle31_engine_problem
+from drafter.eagle31 import eagle31_engine_problem, flags_kind
 from drafter.layers import READ_VERSIONS, UnknownLayerIdRule, engine_layer_ids
 from drafter.server_errors import ServerConfigError
 
@@ -89,13 +89,8 @@ def check_versioned(engine: str, draft_path: str, target_path: str, python: str)
         source = (f"{engine} not importable with {python}: the version the export was written for"
                   if record.get("engine_version") else
                   f"{engine} not importable with {python}: the version our rules were read in")
-    if config.get("fc_norm") or config.get("norm_output"):
-        try:
-            problem = eagle31_engine_problem(engine, version)
-        except UnknownLayerIdRule as err:  # not a version number
-            raise ServerConfigError(f"{engine}: {err}", engine=engine) from None
-        if problem is not None:
-            raise ServerConfigError(f"{draft_path}: {problem} ({source})", engine=engine)
+    if (problem := eagle31_engine_problem(flags_kind(config), engine, version)) is not None:
+        raise ServerConfigError(f"{draft_path}: {problem} ({source})", engine=engine)
     ours, written = record.get("aux_layer_ids"), _draft_ids(config)
     base = {"engine": engine, "engine_version": version, "version_source": source}
     if ours is None or written is None:

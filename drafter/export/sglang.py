@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from drafter.eagle31 import eagle31_engine_problem
+from drafter.eagle31 import FLAGS as EAGLE31_FLAGS
+from drafter.eagle31 import eagle31_engine_problem, flags_kind
 from drafter.errors import DrafterError
 from drafter.hashing import short_hash
 from drafter.layers import LAYER_ID_CONVENTION, READ_VERSIONS, EngineLayerIds, UnknownLayerIdRule, engine_layer_ids
@@ -29,10 +30,6 @@ SGLANG_CONFIG_FIELDS = (
     "draft_vocab_size", "target_hidden_size", "tie_word_embeddings", "rope_theta", "rope_scaling",
     "max_position_embeddings", "eagle_config")
 EAGLE_CONFIG_FIELDS = ("use_aux_hidden_state", "eagle_aux_hidden_state_layer_ids")
-# EAGLE 3.1's flags, read by SGLang 0.5.23 as `config.fc_norm` / `config.norm_output` (absent = false;
-# sglang/srt/models/llama_eagle3.py l.185 and l.207): an export of a 3.1 drafter that lost one loads
-# cleanly and drafts with the wrong math (its fc_norm weights silently dropped).
-EAGLE31_FLAGS = ("fc_norm", "norm_output")
 # Where we record our own ids in an engine's config (next to the ids the engine reads).
 PROVENANCE_KEY = "drafter_lifecycle"
 
@@ -106,9 +103,8 @@ class TargetInfo:
 
 def refuse_old_engine(config: Eagle3DraftConfig, engine: str, version: str) -> None:
     """An EAGLE 3.1 drafter is not written for an engine version that may ignore its flags."""
-    if config.fc_norm or config.norm_output:
-        if (problem := eagle31_engine_problem(engine, version)) is not None:
-            raise ExportError(f"export.{engine}_version: {problem}")
+    if (problem := eagle31_engine_problem(flags_kind(config), engine, version)) is not None:
+        raise ExportError(f"export.{engine}_version: {problem}")
 
 
 def write_sglang(drafter: Eagle3Drafter, target: TargetInfo, out_dir: str | Path,
@@ -208,6 +204,7 @@ def _config_problems(data: dict, source: Eagle3Drafter, target: TargetInfo, our_
         if key in data and data[key] != want:
             who = "the target" if key in ("vocab_size", "target_hidden_size") else "the trained drafter"
             problems.append(f"{CONFIG_FILE} {key}={data[key]!r}, expected {want!r} (from {who})")
+    # an export of a 3.1 drafter that lost a flag loads cleanly and drafts with the wrong math
     for flag in EAGLE31_FLAGS:
         if data.get(flag, False) is not getattr(sc, flag):
             problems.append(f"{CONFIG_FILE} {flag}={data.get(flag)!r}, expected {getattr(sc, flag)} (the trained "

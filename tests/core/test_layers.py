@@ -169,8 +169,15 @@ def test_an_eagle31_drafter_is_refused_by_an_engine_version_that_may_ignore_its_
                                                 r"3.1's fc_norm/norm_output \(sglang 0.5.23\)"):
         check_draft_layer_ids("sglang", draft, target, _fake_python(tmp_path, "0.5.20"))
     assert check_draft_layer_ids("sglang", draft, target, _fake_python(tmp_path, "0.5.23"))["checked"]
-    assert "vllm 0.31.2 is older" in eagle31_engine_problem("vllm", "0.31.2")
-    assert eagle31_engine_problem("vllm", "0.32.0+cpu") is None and eagle31_engine_problem("reference", "ours") is None
+    assert "vllm 0.31.2 is older" in eagle31_engine_problem("eagle3.1", "vllm", "0.31.2")
+    assert eagle31_engine_problem("eagle3.1", "vllm", "0.32.0+cpu") is None
+    assert eagle31_engine_problem("eagle3.1", "reference", "ours") is None
+    assert eagle31_engine_problem("eagle3", "vllm", "0.31.2") is None  # EAGLE-3: no version floor
+    assert eagle31_engine_problem("eagle3.1", "sglang", "main") == "sglang: engine version 'main' is not a version number"
+    # one flag is enough: either changes the drafting math
+    (Path(draft) / "config.json").write_text(json.dumps({**config, "norm_output": True}))
+    with pytest.raises(ServerConfigError, match="sglang 0.5.20 is older"):
+        check_draft_layer_ids("sglang", draft, target, _fake_python(tmp_path, "0.5.20"))
 
 
 def test_a_profile_exporting_eagle31_for_an_engine_too_old_is_refused_before_training(tmp_path):
