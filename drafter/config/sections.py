@@ -223,9 +223,9 @@ class TrainConfig(Strict):
     cuda_graphs: bool = OperationalField(
         False, description="fixed-shape step, forward + backward replayed as CUDA graphs (one CUDA device)")
     cuda_graph_buckets: int = OperationalField(
-        0, ge=0, le=64, description="with cuda_graphs: 0 = shape keys that follow each batch's rows and "
-                                    "documents; N = at most N row sizes per multiple of tokens_per_micro_batch "
-                                    "(fewer captures on varied lengths, more padded rows)")
+        4, ge=0, le=64, description="with cuda_graphs: N = at most N row sizes per multiple of "
+                                    "tokens_per_micro_batch (few shape keys, so few captures on varied lengths, "
+                                    "more padded rows); 0 = keys that follow each batch's rows and documents")
     vocab_chunk: int = OperationalField(
         32768, ge=256, description="vocabulary rows per chunk of the teacher's full-vocab argmax")
     threads: int | None = OperationalField(None, ge=1, description="torch CPU threads")
