@@ -11,8 +11,9 @@ What it answers, per target shape and storage dtype (dump.storage_dtype), in the
   state (from the first shard's verified marker to the last: the pipeline's rate, load excluded);
 - forward only: the same samples and batches through the capture forward on the first device, the
   model already loaded (the ceiling the dump should reach);
-- bytes per stored token; the store's own raw write speed (write + fsync of 1 GiB) and one core's
-  sha256 speed, to tell a disk-bound run from a pipeline-bound one;
+- bytes per stored token; the store's own raw write speed (write + fsync of 1 GiB, by one writer and
+  by as many parallel writers as each run uses: its ceiling) and one core's sha256 speed, to tell a
+  disk-bound run from a pipeline-bound one;
 - that every shard reads back verified (sha256), outside the timings.
 Targets: `tiny`/`demo` are built in a temp dir with a short training budget; `llama-1b` (Llama-3.2-1B
 layout) and `llama-8b` (Llama-3.1-8B layout) get random bf16 weights: throughput depends on the
@@ -29,6 +30,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -214,32 +216,52 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def machine_baseline(store_dir: str | None) -> dict:
-    """The store directory's raw sequential write + fsync speed and one core's sha256 speed."""
-    block = os.urandom(64 << 20)
-    with tempfile.NamedTemporaryFile(dir=store_dir) as f:
-        t = time.perf_counter()
-        for _ in range(GiB // len(block)):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-        write = GiB / (time.perf_counter() - t) / 1e9
+def write_speed(store_dir: str | None, writers: int, total: int = GiB, block: bytes | None = None) -> float:
+    """GB/s of `writers` threads each writing its share of `total` bytes to its own new file in
+    `store_dir`, write + fsync, as the dump's writers do (a disk or tmpfs may take parallel writers
+    faster than one)."""
+    block = block or os.urandom(64 << 20)
+    share = max(len(block), total // writers)
+
+    def one(_i: int) -> None:
+        with tempfile.NamedTemporaryFile(dir=store_dir) as f:
+            for _ in range(share // len(block)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(writers) as pool:
+        list(pool.map(one, range(writers)))
+    return writers * (share // len(block)) * len(block) / (time.perf_counter() - t) / 1e9
+
+
+def machine_baseline(store_dir: str | None, writers: list[int] = (), total: int = GiB) -> dict:
+    """The store directory's raw write + fsync speed with one writer and with each count in
+    `writers`, and one core's sha256 speed."""
+    block = os.urandom(min(64 << 20, total))
+    write_speed(store_dir, 1, len(block), block)  # warm-up: the first write to a fresh store pays for it
+    by_writers = {n: round(write_speed(store_dir, n, total, block), 3) for n in sorted({1, *writers})}
     h = hashlib.sha256()
     t = time.perf_counter()
     for _ in range(8):
         h.update(block)
     sha = 8 * len(block) / (time.perf_counter() - t) / 1e9
-    return {"store_dir": store_dir or tempfile.gettempdir(), "write_fsync_gb_per_s": round(write, 3),
+    return {"store_dir": store_dir or tempfile.gettempdir(), "write_fsync_gb_per_s": by_writers[1],
+            "write_fsync_gb_per_s_by_writers": by_writers,
             "sha256_gb_per_s_one_core": round(sha, 3), "cpu_count": os.cpu_count()}
 
 
 def ceiling(row: dict, machine: dict) -> dict:
-    """What the dump could reach: min(forward only, the store's raw write speed / bytes per token),
-    both measured in this run, and the share of it reached end to end and in the steady state.
-    A run of this size also pays the model load once (measured by the forward-only pass): the
-    end-to-end ceiling is the tokens over (load + tokens at the ceiling), so a short benchmark is
-    not judged against a rate no dump of its size could reach; both shares are printed."""
-    by_store = machine["write_fsync_gb_per_s"] * 1e9 / row["bytes_per_token"]
+    """What the dump could reach: min(forward only, the store's raw write speed with the run's
+    writer count / bytes per token), both measured in this run, and the share of it reached end to
+    end and in the steady state. A run of this size also pays the model load once (measured by the
+    forward-only pass): the end-to-end ceiling is the tokens over (load + tokens at the ceiling), so
+    a short benchmark is not judged against a rate no dump of its size could reach; both shares
+    are printed."""
+    speeds = machine.get("write_fsync_gb_per_s_by_writers") or {}
+    write = speeds.get(row.get("upload_threads"), machine["write_fsync_gb_per_s"])
+    by_store = write * 1e9 / row["bytes_per_token"]
     top = min(row["forward_tokens_per_s"], by_store)
     with_load = row["tokens"] / (row["model_load_s"] + row["tokens"] / top)
     steady = row.get("steady_tokens_per_s")
@@ -291,7 +313,7 @@ def main() -> None:
     conversations = load_conversations(args.conversations, args.samples)
     results = {"torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                "cpu_threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()},
-               "machine": machine_baseline(args.store_dir), "runs": []}
+               "machine": machine_baseline(args.store_dir, args.upload_threads), "runs": []}
     emit = lambda: (args.out / "bench_dump.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results["machine"]), flush=True)
     emit()
