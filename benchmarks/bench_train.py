@@ -10,6 +10,7 @@ real chat data (the JSON reports the measured share). Prints one JSON line per r
 
   python benchmarks/bench_train.py --loss-fraction 0.6            # ours, Llama-3.1-8B shapes
   python benchmarks/bench_train.py --exactness                    # fast path == dense on this device
+  python benchmarks/bench_train.py --trainer-check                # CUDA: the trainer's own runs agree
   python benchmarks/bench_train.py --all --anchor PATH --out DIR  # anchor + ours (compiled; CUDA graphs
                                                                   # fp32 / bf16 moments) + exactness, table
 
@@ -665,6 +666,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graphs-only", action="store_true", help="--all measures only the CUDA-graph steps")
     p.add_argument("--eager", action="store_true", help="--all also measures the eager step")
     p.add_argument("--exactness", action="store_true")
+    p.add_argument("--trainer-check", action="store_true",
+                   help="CUDA: only the trainer runs of --exactness (graphs or not, buckets, queued steps or synced)")
     p.add_argument("--all", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--anchor", default=None, help="path of specforge_train_step.py (run in its own process)")
@@ -719,6 +722,10 @@ def run(a) -> None:
         run_all(a)
     elif a.profile:
         profile(a)
+    elif a.trainer_check:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_train: --trainer-check needs a CUDA device (train.cuda_graphs)")
+        print(json.dumps(trainer_graphs_check()))
     elif a.exactness:
         print(json.dumps(exactness(a)))
     else:

@@ -140,3 +140,11 @@ def test_a_capped_dump_is_read_again_epoch_after_epoch(corpus, tmp_path):
     assert facts["tokens"] < 1.6 * 9 * 96  # fewer than the steps read
     out = bt.run_real(a)
     assert out["steps_timed"] == 8 and out["data_epochs_begun"] > 1
+
+
+def test_the_trainer_check_needs_cuda_and_says_so(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["bench_train.py", "--trainer-check"])
+    monkeypatch.setattr(bt.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        bt.main()
+    assert str(e.value) == "bench_train: --trainer-check needs a CUDA device (train.cuda_graphs)"
