@@ -535,6 +535,7 @@ def run_real(a) -> dict:
             "graph_captures_timed": sum(r[3] for r in timed),
             "graph_captures_per_100_steps": round(100 * sum(r[3] for r in timed) / len(timed), 1),
             "capture_step_s_median": round(statistics.median(capture_steps), 3) if capture_steps else None,
+            "capture_step_s": [round(x, 3) for x in capture_steps],  # each, in order: a recompile stands out
             "steady_tokens_per_s": (round(sum(r[2] for r in steady) / sum(r[0] + r[1] for r in steady), 1)
                                     if steady else None),  # steps that captured nothing
             "step_s_median": round(statistics.median(r[1] for r in steady), 4) if steady else None,

@@ -47,10 +47,10 @@ def test_real_data_job_reads_the_dump_through_the_reader(storage, corpus, tmp_pa
     a.shards, a.dump = where, fp
     out = bt.run_real(a)
     for key in ("tokens_per_s", "steady_tokens_per_s", "data_wait_share", "graph_captures_per_100_steps",
-                "graph_captures_total", "distinct_shape_keys", "reader", "batch_digests", "stopped_by"):
+                "capture_step_s", "graph_captures_total", "distinct_shape_keys", "reader", "batch_digests", "stopped_by"):
         assert key in out, key
     assert out["stopped_by"] == "steps" and out["steps_timed"] == 4 and out["tokens_per_s"] > 0
-    assert 0 <= out["data_wait_share"] < 1 and out["graph_captures_per_100_steps"] == 0
+    assert 0 <= out["data_wait_share"] < 1 and out["graph_captures_per_100_steps"] == 0 and out["capture_step_s"] == []
     waits = out["data_wait_s_by_quarter"]  # 4 timed steps: one per quarter, adding up to the share
     assert len(waits) == 4 and sum(waits) == pytest.approx(out["data_wait_share"] * out["window_s"], abs=4e-3)
     assert out["storage_dtype"] == bt.STORAGE[storage] and len(out["batch_digests"]) == 5
