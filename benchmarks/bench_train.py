@@ -244,8 +244,8 @@ def exactness(a) -> dict:
 def trainer_graphs_check() -> dict:
     """train_drafter on the tests' tiny target and dump, on CUDA, with and without
     train.cuda_graphs: same metrics and final weights (float32 with math attention: equal up to
-    summation order; bfloat16 with flash: within bf16 rounding); in float32 also with bucketed
-    shape keys and with a device sync after every step."""
+    summation order; bfloat16 with flash: within bf16 rounding); in float32 also with keys per
+    batch (train.cuda_graph_buckets: 0) and with a device sync after every step."""
     import tempfile
 
     from drafter.store import FileStore
