@@ -27,6 +27,7 @@ graph captures per 100 steps, shape keys, peak memory, in DIR/bench_train_real.j
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -303,13 +304,13 @@ def synced_run(cfg, store, out_dir: Path) -> tuple[list[dict], dict]:
     """`trained` as before the host ran ahead: pageable batches, a device sync after every step."""
     from drafter.training import trainer
 
-    saved = trainer.STEPS_IN_FLIGHT, trainer.Packer
+    saved = trainer.STEPS_IN_FLIGHT, trainer.packer_for
     trainer.STEPS_IN_FLIGHT = 0
-    trainer.Packer = lambda *args, **kw: saved[1](*args, **{**kw, "pin": False})
+    trainer.packer_for = lambda *args: dataclasses.replace(saved[1](*args), pin=False)
     try:
         return trained(cfg, store, out_dir)
     finally:
-        trainer.STEPS_IN_FLIGHT, trainer.Packer = saved
+        trainer.STEPS_IN_FLIGHT, trainer.packer_for = saved
 
 
 def run_all(a) -> None:

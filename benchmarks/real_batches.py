@@ -25,7 +25,7 @@ from drafter.contracts.shards import ShardWriter
 from drafter.layers import LAYER_ID_CONVENTION
 from drafter.stage_output import MANIFEST_NAME, StageOutput
 from drafter.store import FileStore, ObjectStore
-from drafter.training.data import DUMP_STAGE, Cursor, DumpExpectation, DumpReader, Packer, dump_splits
+from drafter.training.data import DUMP_STAGE, Cursor, DumpExpectation, DumpReader, dump_splits, packer_for
 from drafter.training.ttt import MicroBatch
 
 AUX = [1, 15, 28]  # Llama-3.1-8B's EAGLE-3 layers (any three ids would do for synthetic states)
@@ -136,8 +136,7 @@ def batches(reader: DumpReader, tokens_per_micro_batch: int, max_length: int, ep
     """The trainer's stream for a `device` trainer, packed as the trainer packs: (cursor,
     micro-batch, next cursor), ahead on the packer's thread (fp8 states decoded there for the CPU;
     for CUDA left for `MicroBatch.decoded`, in page-locked memory)."""
-    cuda = torch.device(device).type == "cuda"
-    packer = Packer(tokens_per_micro_batch, max_length, decode=not cuda, pin=cuda)
+    packer = packer_for(device, tokens_per_micro_batch, max_length)
     return packer.batches(reader.samples(Cursor(), epochs), Cursor(epochs, 0, 0))
 
 

@@ -424,6 +424,13 @@ class Packer:
             yield first, pack(buf, self.decode, self.pin), end
 
 
+def packer_for(device: torch.device | str, budget: int, max_length: int) -> Packer:
+    """How a trainer on `device` packs: on the CPU fp8 is decoded on the packer's thread; on CUDA it
+    stays encoded for `MicroBatch.decoded` and micro-batches are page-locked."""
+    kind = torch.device(device).type
+    return Packer(budget, max_length, decode=kind == "cpu", pin=kind == "cuda")
+
+
 def count_vocab(reader: DumpReader, vocab_size: int) -> torch.Tensor:
     """Loss-masked token counts over one pass of the split (ids only: aux states are not read)."""
     from drafter.training.vocab import count_loss_tokens

@@ -30,7 +30,7 @@ from drafter.stage_output import Manifest, guarded_progress
 from drafter.store import ObjectStore
 from drafter.training import checkpoint as ckpt
 from drafter.training import distributed
-from drafter.training.data import Cursor, DumpExpectation, DumpReader, DumpSplit, Packer, count_vocab, dump_splits
+from drafter.training.data import Cursor, DumpExpectation, DumpReader, DumpSplit, count_vocab, dump_splits, packer_for
 from drafter.training.errors import DrafterIncompatible, TrainingError, TrainingInterrupted
 from drafter.training.metrics import plot_png, served_figures, served_walk, summarize, to_jsonl
 from drafter.training.optim import MasterAdamW, clip_gradients, lr_factor, peak_learning_rate
@@ -263,8 +263,7 @@ def _train(r: _Run) -> TrainResult:
     p = _set_up(r)
     sched = _schedule(tc, r.train_reader)
     st = _resume(r, p)
-    packer = Packer(tc.tokens_per_micro_batch, tc.max_length, decode=r.d.device.type == "cpu",
-                    pin=r.d.device.type == "cuda")
+    packer = packer_for(r.d.device, tc.tokens_per_micro_batch, tc.max_length)
     batches = packer.batches(r.train_reader.samples(st.cursor, tc.epochs), Cursor(tc.epochs, 0, 0))
     st.t_log = time.perf_counter()
     # closing: the packer's thread is stopped and joined however the loop ends (an exception's
@@ -455,7 +454,7 @@ def _evaluate(module, reader: DumpReader, embed, head, d, tc, dtype) -> dict:
     """Held-out metrics over the eval split (in manifest order, split across ranks)."""
     stats = torch.zeros(tc.ttt_length, len(STATS), dtype=torch.float64, device=d.device)
     walk = torch.zeros(tc.ttt_length, tc.ttt_length + 1, dtype=torch.float64, device=d.device)
-    packer = Packer(tc.tokens_per_micro_batch, tc.max_length, decode=d.device.type == "cpu")
+    packer = packer_for(d.device, tc.tokens_per_micro_batch, tc.max_length)
     seen = 0
     drafter = module.module.drafter if hasattr(module, "module") else module.drafter
     with closing(packer.batches(reader.samples(Cursor(), 1), Cursor(1, 0, 0))) as batches:

@@ -223,8 +223,8 @@ def test_fp8_states_decoded_on_the_training_device_train_the_same_drafter(tmp_pa
     real_decoded = MicroBatch.decoded
     monkeypatch.setattr(MicroBatch, "decoded", lambda mb, device: decoded.append(mb.aux_scales is not None)
                         or real_decoded(mb, device))
-    monkeypatch.setattr(trainer, "Packer", lambda budget, max_length, decode=True, pin=False: Packer(
-        budget, max_length, decode=False, pin=pin))
+    monkeypatch.setattr(trainer, "packer_for", lambda device, budget, max_length: Packer(budget, max_length,
+                                                                                         decode=False))
     dev = train_drafter(cfg, store, "dump0001", run_fingerprint="device", out_dir=tmp_path / "b",
                         target_fingerprint=TARGET_FP)
     assert decoded and all(decoded)  # every micro-batch reached the step encoded
